@@ -1,0 +1,27 @@
+# The two commands of the README. Both build .venv on a fresh machine first:
+# torch is installed alone and first, pinned to the CPU build that lies on disk here,
+# so that nothing later can pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ratchet demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) .ratchet

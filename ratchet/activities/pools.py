@@ -1,0 +1,153 @@
+"""The Ray actors of a run: created once, found again by name.
+
+Actors are named `<run id>/<role>-<rank>` in the `ratchet` namespace and detached, so a
+restarted Temporal worker process finds the same actors instead of orphaning them. The
+workflow owns the run state (DESIGN.md, rule 4): an activity checks the policy version a
+worker holds against the one the workflow expects, and a rollout or reward worker that
+was lost is recreated and brought up to date from the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+from temporalio.exceptions import ApplicationError
+
+from ratchet.config.schema import RunConfig
+from ratchet.workers.reward import RewardWorker
+from ratchet.workers.rollout import RolloutWorker
+from ratchet.workers.trainer import TrainerWorker
+
+from .ray_calls import wait
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "ratchet"
+# Lost state that only a checkpoint could restore: retrying cannot help.
+WORKER_LOST = "WorkerLost"
+
+
+def _actor_env(cfg: RunConfig) -> dict:
+    threads = str(cfg.resources.torch_threads)
+    return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}
+
+
+@dataclass
+class RunPools:
+    run_id: str
+    run_uri: str
+    cfg: RunConfig
+
+    def name(self, role: str, rank: int = 0) -> str:
+        return f"{self.run_id}/{role}-{rank}"
+
+    def _find(self, role: str, rank: int = 0):
+        try:
+            return ray.get_actor(self.name(role, rank), namespace=NAMESPACE)
+        except ValueError:
+            return None
+
+    def _create(self, cls, role: str, rank: int, num_cpus: float, *args):
+        return (
+            ray.remote(cls)
+            .options(
+                name=self.name(role, rank),
+                namespace=NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+                num_cpus=num_cpus,
+                max_concurrency=1,
+                runtime_env=_actor_env(self.cfg),
+            )
+            .remote(*args)
+        )
+
+    def check_resources(self) -> None:
+        """Fail at once, not after a timeout, when the cluster can never place the actors."""
+        r = self.cfg.resources
+        need = r.trainer_cpus * self.cfg.trainer.world_size + r.rollout_cpus + r.reward_cpus
+        have = ray.cluster_resources().get("CPU", 0.0)
+        if need > have:
+            raise ApplicationError(
+                f"run {self.run_id} needs {need:g} Ray CPUs (resources.trainer_cpus x trainer.world_size + "
+                f"resources.rollout_cpus + resources.reward_cpus) but the cluster has {have:g}; "
+                "lower the resources.* values or add nodes",
+                type="ConfigError",
+                non_retryable=True,
+            )
+
+    # -- trainer -------------------------------------------------------------------------
+
+    def start_trainers(self, policy_path: str) -> int:
+        """Create and set up every trainer rank; returns the parameter count."""
+        world = self.cfg.trainer.world_size
+        ranks = [
+            self._create(TrainerWorker, "trainer", r, self.cfg.resources.trainer_cpus, self.cfg, policy_path, self.run_uri, r, world)
+            for r in range(world)
+        ]
+        port = wait(ranks[0].rendezvous_port.remote())
+        counts = wait([a.setup.remote(port) for a in ranks])
+        return counts[0]
+
+    def trainers(self, expected_version: int) -> list:
+        ranks = [self._find("trainer", r) for r in range(self.cfg.trainer.world_size)]
+        if any(a is None for a in ranks):
+            raise ApplicationError(
+                f"run {self.run_id}: a trainer rank is gone and its state with it; "
+                "restoring from a checkpoint is not available in this version",
+                type=WORKER_LOST,
+                non_retryable=True,
+            )
+        held = wait(ranks[0].policy_version.remote())
+        if held != expected_version:
+            raise ApplicationError(
+                f"run {self.run_id}: trainer holds policy v{held}, the workflow expects v{expected_version}",
+                type=WORKER_LOST,
+                non_retryable=True,
+            )
+        return ranks
+
+    # -- rollout and reward --------------------------------------------------------------
+
+    def start_rollout(self, policy_path: str):
+        return self._create(RolloutWorker, "rollout", 0, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri)
+
+    def start_reward(self, policy_path: str):
+        return self._create(RewardWorker, "reward", 0, self.cfg.resources.reward_cpus, self.cfg, policy_path, self.run_uri)
+
+    def rollout(self, expected_version: int, policy_path: str):
+        """The rollout worker at `expected_version`; recreated and synced if it was lost."""
+        actor = self._find("rollout")
+        if actor is None:
+            log.warning("run %s: rollout worker lost; recreating it", self.run_id)
+            actor = self.start_rollout(policy_path)
+        if wait(actor.policy_version.remote()) != expected_version:
+            self.sync_weights(expected_version, actor)
+        return actor
+
+    def reward(self, policy_path: str):
+        return self._find("reward") or self.start_reward(policy_path)
+
+    def sync_weights(self, version: int, rollout=None) -> int:
+        """Trainer weights -> rollout engine through Ray's object store (never via this
+        process: the ObjectRef is passed on and resolved in the rollout actor). Returns bytes moved."""
+        ranks = self.trainers(version)
+        refs = [a.weights.remote() for a in ranks]
+        target = rollout or self._find("rollout")
+        if target is None:
+            raise ApplicationError(f"run {self.run_id}: no rollout worker to sync", type=WORKER_LOST)
+        received = wait(target.load_weights.remote(refs[0], version))
+        wait(refs[1:])
+        return received
+
+    def shutdown(self) -> list[str]:
+        killed = []
+        roles = [("rollout", 0), ("reward", 0)] + [("trainer", r) for r in range(self.cfg.trainer.world_size)]
+        for role, rank in roles:
+            actor = self._find(role, rank)
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+                killed.append(self.name(role, rank))
+        return killed

@@ -1,0 +1,165 @@
+"""The activities of the training workflow: thin adapters from Temporal to the Ray workers.
+
+Each takes one dataclass and returns one (ratchet.types). They hold no run state of their
+own: what they need is in the input or in the run folder, so any worker process can run
+any activity of any run, and a retry redoes exactly the same work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import lru_cache
+
+import ray
+from temporalio import activity
+
+from ratchet.config.schema import RunConfig
+from ratchet.storage import MetricsLog, ObjectStore
+from ratchet.types import (
+    BatchRef,
+    EvalInput,
+    EvalOutput,
+    FinishInput,
+    FinishOutput,
+    PrepareInput,
+    PrepareOutput,
+    RolloutInput,
+    RunRef,
+    ScoreInput,
+    ScoreOutput,
+    StartWorkersInput,
+    StartWorkersOutput,
+    StepRecord,
+    SyncInput,
+    SyncOutput,
+    TrainInput,
+    TrainOutput,
+    WarmupInput,
+    WarmupOutput,
+)
+from ratchet.workers.warmup import warmup_policy
+
+from .pools import RunPools
+from .ray_calls import wait
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = "config.json"
+
+
+@lru_cache(maxsize=64)
+def _run_config(run_uri: str) -> RunConfig:
+    # The config is immutable for a run's life, so caching by folder is safe.
+    return RunConfig.model_validate(ObjectStore(run_uri).get_json(CONFIG_KEY))
+
+
+def pools_for(run: RunRef) -> RunPools:
+    return RunPools(run.run_id, run.run_uri, _run_config(run.run_uri))
+
+
+def policy_source(run: RunRef) -> str:
+    """The weights RL starts from: the warmed-up model if the run has a warm-up."""
+    cfg = _run_config(run.run_uri)
+    return ObjectStore(run.run_uri).uri("warmup/model") if cfg.warmup.steps > 0 else cfg.model.path
+
+
+@activity.defn(name="prepare_run")
+def prepare_run(inp: PrepareInput) -> PrepareOutput:
+    """Create the run folder and store the (already validated) config in it."""
+    cfg = RunConfig.model_validate(inp.config)
+    run_store = ObjectStore(cfg.storage.root).child(inp.run_id)
+    run_store.put_json(CONFIG_KEY, cfg.model_dump(mode="json"))
+    return PrepareOutput(run=RunRef(run_id=inp.run_id, run_uri=run_store.url))
+
+
+@activity.defn(name="warmup")
+def warmup(inp: WarmupInput) -> WarmupOutput:
+    cfg = _run_config(inp.run.run_uri)
+    if cfg.warmup.steps == 0:
+        return WarmupOutput(policy_uri=cfg.model.path, loss_first=0.0, loss_last=0.0, seconds=0.0)
+    task = ray.remote(warmup_policy).options(num_cpus=cfg.resources.trainer_cpus, max_retries=0)
+    out = wait(task.remote(cfg, cfg.model.path, inp.run.run_uri))
+    return WarmupOutput(policy_uri=out["uri"], loss_first=out["loss_first"], loss_last=out["loss_last"], seconds=out["seconds"])
+
+
+@activity.defn(name="start_workers")
+def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
+    t0 = time.perf_counter()
+    pools = pools_for(inp.run)
+    pools.check_resources()
+    n_params = pools.start_trainers(inp.policy_uri)
+    wait([pools.start_rollout(inp.policy_uri).policy_version.remote(), pools.start_reward(inp.policy_uri).__ray_ready__.remote()])
+    return StartWorkersOutput(policy_version=0, num_parameters=n_params, seconds=time.perf_counter() - t0)
+
+
+@activity.defn(name="generate")
+def generate(inp: RolloutInput) -> BatchRef:
+    pools = pools_for(inp.run)
+    rollout = pools.rollout(inp.policy_version, policy_source(inp.run))
+    out = wait(rollout.generate.remote(inp.step, inp.prompt_start, inp.prompt_count, inp.policy_version))
+    return BatchRef(
+        run_id=inp.run.run_id,
+        step=inp.step,
+        uri=out["uri"],
+        num_prompts=inp.prompt_count,
+        num_samples=out["num_samples"],
+        num_response_tokens=out["num_response_tokens"],
+        policy_version=inp.policy_version,
+        generate_seconds=out["generate_seconds"],
+        response_length_mean=out["response_length_mean"],
+    )
+
+
+@activity.defn(name="score")
+def score(inp: ScoreInput) -> ScoreOutput:
+    out = wait(pools_for(inp.run).reward(policy_source(inp.run)).score.remote(inp.batch.step))
+    return ScoreOutput(reward_mean=out["reward_mean"], reward_std=out["reward_std"], seconds=out["seconds"])
+
+
+@activity.defn(name="train")
+def train(inp: TrainInput) -> TrainOutput:
+    t0 = time.perf_counter()
+    ranks = pools_for(inp.run).trainers(inp.policy_version)
+    outs = wait([a.train.remote(inp.batch.step, inp.policy_version) for a in ranks])
+    return TrainOutput(policy_version=outs[0]["policy_version"], metrics=outs[0]["metrics"], seconds=time.perf_counter() - t0)
+
+
+@activity.defn(name="sync_weights")
+def sync_weights(inp: SyncInput) -> SyncOutput:
+    t0 = time.perf_counter()
+    moved = pools_for(inp.run).sync_weights(inp.policy_version)
+    return SyncOutput(policy_version=inp.policy_version, seconds=time.perf_counter() - t0, megabytes=moved / 1e6)
+
+
+@activity.defn(name="evaluate")
+def evaluate(inp: EvalInput) -> EvalOutput:
+    """Greedy answers on the fixed eval prompts, scored by the reward worker."""
+    cfg = _run_config(inp.run.run_uri)
+    pools = pools_for(inp.run)
+    source = policy_source(inp.run)
+    gen = wait(pools.rollout(inp.policy_version, source).generate_eval.remote(inp.step, cfg.data.eval_size))
+    out = wait(pools.reward(source).score.remote(inp.step, "evals"))
+    return EvalOutput(step=inp.step, reward_mean=out["reward_mean"], num_samples=gen["num_samples"])
+
+
+@activity.defn(name="record_step")
+def record_step(inp: StepRecord) -> None:
+    MetricsLog(ObjectStore(inp.run.run_uri)).write(inp.step, inp.metrics)
+
+
+@activity.defn(name="finish_run")
+def finish_run(inp: FinishInput) -> FinishOutput:
+    """Export the final policy and release the run's actors."""
+    cfg = _run_config(inp.run.run_uri)
+    pools = pools_for(inp.run)
+    uri = ""
+    if cfg.checkpoint.export_final:
+        ranks = pools.trainers(inp.policy_version)
+        uri = wait([a.export.remote("final/model") for a in ranks])[0]
+    killed = pools.shutdown()
+    log.info("run %s finished; released %s", inp.run.run_id, ", ".join(killed))
+    return FinishOutput(final_policy_uri=uri)
+
+
+ALL_ACTIVITIES = [prepare_run, warmup, start_workers, generate, score, train, sync_weights, evaluate, record_step, finish_run]

@@ -1,0 +1,63 @@
+"""Loss aggregation: how a [batch, tokens] matrix of per-token losses becomes one number.
+
+Every mode divides by a *global* normaliser (tokens or sequences of the whole batch, over
+all data-parallel ranks and micro-batches) that the trainer passes in. Summing the
+micro-batch losses and the ranks' gradients then gives exactly the loss and gradient of
+the full batch, whatever the world size or micro-batching (verl's historical bug was
+averaging per micro-batch, which weights short micro-batches more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .registry import Registry, decorator
+
+
+@dataclass(frozen=True)
+class Normaliser:
+    """Counts over the whole global batch. `max_response_length` is for *-sum-norm."""
+
+    tokens: float
+    sequences: float
+    max_response_length: int = 1
+
+
+LOSS_AGGREGATIONS: Registry = Registry("loss aggregation", "algorithm.loss_agg_mode")
+
+
+def register_loss_agg(name: str):
+    return decorator(LOSS_AGGREGATIONS, name)
+
+
+@register_loss_agg("token-mean")
+def token_mean(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
+    """Every token of the batch weighs the same (DAPO)."""
+    return (loss * mask).sum() / max(norm.tokens, 1.0)
+
+
+@register_loss_agg("seq-mean-token-sum")
+def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
+    """Sum over each sequence's tokens, mean over sequences."""
+    return (loss * mask).sum() / max(norm.sequences, 1.0)
+
+
+@register_loss_agg("seq-mean-token-mean")
+def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
+    """Mean over each sequence's tokens, then mean over sequences (original GRPO).
+    An empty response contributes zero."""
+    per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    return per_seq.sum() / max(norm.sequences, 1.0)
+
+
+@register_loss_agg("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
+    """Token sum divided by a constant (max response length) per sequence (Dr. GRPO)."""
+    return (loss * mask).sum() / max(norm.sequences * norm.max_response_length, 1.0)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` where `mask` is 1; 0 when the mask is empty."""
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)

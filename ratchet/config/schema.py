@@ -1,0 +1,161 @@
+"""The run configuration: typed, documented, strict.
+
+Every section forbids unknown keys, so a typo fails at submit time instead of being
+silently ignored for a whole run. Each field's description is its documentation;
+`ratchet config-schema` prints them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field(description="Folder of a Hugging Face causal LM (config, weights, tokenizer).")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the policy.")
+
+
+class DataConfig(Section):
+    train_files: str = Field(description="Parquet file in verl's layout: prompt, data_source, reward_model.ground_truth, extra_info.")
+    eval_files: str | None = Field(None, description="Parquet file of held-out prompts for greedy evaluation.")
+    prompt_key: str = Field("prompt", description="Column holding the chat messages of each prompt.")
+    max_prompt_length: int = Field(64, gt=0, description="Prompts longer than this (in tokens) are an error.")
+    eval_size: int = Field(64, gt=0, description="How many eval prompts to score at each evaluation.")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = Field("hf", description="Generation engine: hf (transformers).")
+    n: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_response_length: int = Field(16, gt=0, description="Maximum new tokens per sample.")
+
+
+class RewardConfig(Section):
+    function: str = Field(
+        "ratchet.tasks.rewards:compute_score",
+        description="Reward function as 'module:function' or 'path/to/file.py:function', with verl's signature "
+        "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict.",
+    )
+
+
+class KLConfig(Section):
+    type: str = Field("low_var_kl", description="KL estimator (see docs/algorithms.md).")
+    coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term; 0 disables the reference model.")
+
+    @field_validator("type")
+    @classmethod
+    def _known_kl(cls, name: str) -> str:
+        from ratchet.algorithms import KL_ESTIMATORS
+
+        return KL_ESTIMATORS.check(name)
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: str = Field("grpo", description="Advantage estimator, by registered name.")
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group's reward std (False gives Dr. GRPO).")
+    policy_loss: str = Field("ppo_clip", description="Policy loss, by registered name.")
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound is 1 - clip_ratio_low.")
+    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound is 1 + clip_ratio_high (DAPO clip-higher).")
+    loss_agg_mode: str = Field("token-mean", description="How token losses become one number, by registered name.")
+    entropy_coeff: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    kl: KLConfig = Field(default_factory=KLConfig)
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        from ratchet.algorithms import ADV_ESTIMATORS
+
+        return ADV_ESTIMATORS.check(name)
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        from ratchet.algorithms import POLICY_LOSSES
+
+        return POLICY_LOSSES.check(name)
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _known_agg(cls, name: str) -> str:
+        from ratchet.algorithms import LOSS_AGGREGATIONS
+
+        return LOSS_AGGREGATIONS.check(name)
+
+
+class TrainerConfig(Section):
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
+    world_size: int = Field(1, ge=1, description="Trainer ranks; above 1 the policy is sharded with FSDP2 (gloo on CPU).")
+
+
+class WarmupConfig(Section):
+    steps: int = Field(0, ge=0, description="Supervised warm-up steps on the training answers before RL; 0 skips it.")
+    lr: float = Field(3e-3, gt=0, description="Warm-up learning rate.")
+    batch_size: int = Field(64, ge=1, description="Warm-up batch size (prompt-answer pairs).")
+
+
+class LoopConfig(Section):
+    mode: Literal["sync"] = Field("sync", description="Training loop: sync (rollout, score, train, sync per step).")
+    steps: int = Field(20, ge=1, description="RL steps to run.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompts per rollout batch (samples = prompts * rollout.n).")
+    eval_every: int = Field(0, ge=0, description="Greedy evaluation every this many steps (0: only before and after).")
+
+
+class CheckpointConfig(Section):
+    export_final: bool = Field(True, description="Export the final policy in Hugging Face format to the run folder.")
+
+
+class StorageConfig(Section):
+    root: str = Field(".ratchet/runs", description="Object-store URL or local folder under which each run gets a folder.")
+
+
+class ResourcesConfig(Section):
+    rollout_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each rollout worker.")
+    trainer_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each trainer rank.")
+    reward_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved by the reward worker (rule-based rewards are light: 0).")
+    torch_threads: int = Field(1, ge=1, description="torch threads per worker process (one is fastest on small CPUs).")
+
+
+class TrackingConfig(Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; the run id is '<name>-<timestamp>'.")
+    tags: list[str] = Field(default_factory=list, description="Free-form tags stored with the run.")
+
+
+class RunConfig(Section):
+    """A whole training run. YAML plus dotted overrides, merged with OmegaConf."""
+
+    seed: int = Field(0, description="Seed for sampling, data order and initialisation.")
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _groups_need_members(self) -> "RunConfig":
+        from ratchet.algorithms import ADV_ESTIMATORS
+
+        if ADV_ESTIMATORS.get(self.algorithm.adv_estimator).needs_group and self.rollout.n < 2:
+            raise ValueError(
+                f"rollout.n must be >= 2 for adv_estimator={self.algorithm.adv_estimator!r} "
+                "(a group baseline needs several samples per prompt)"
+            )
+        return self

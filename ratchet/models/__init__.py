@@ -1,0 +1,1 @@
+"""Models ratchet can build by itself (no downloads)."""

@@ -1,0 +1,145 @@
+"""The `ratchet` command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Durable RL post-training: Temporal workflows driving Ray workers.")
+console = Console()
+err = Console(stderr=True)
+
+StateDir = typer.Option(None, "--state-dir", help="Folder for the embedded services' state (default ./.ratchet, or $RATCHET_STATE_DIR).")
+
+
+def _settings(state_dir: Optional[Path]):
+    from .services import ServiceSettings
+
+    settings = ServiceSettings.from_env()
+    if state_dir is not None:
+        settings.state_dir = state_dir
+    return settings
+
+
+def _exit_on_config_error(fn, *args, **kwargs):
+    from ratchet.config import ConfigError
+
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError as exc:
+        err.print(f"[red]{exc}[/red]", highlight=False)
+        raise typer.Exit(2)
+
+
+@app.command()
+def up(state_dir: Optional[Path] = StateDir) -> None:
+    """Start the embedded Temporal dev server and a local Ray (idempotent)."""
+    from .services import ServiceError, up as start
+
+    try:
+        st = start(_settings(state_dir))
+    except ServiceError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1)
+    _print_status(st)
+
+
+@app.command()
+def down(state_dir: Optional[Path] = StateDir) -> None:
+    """Stop what `ratchet up` started, and nothing else."""
+    from .services import down as stop
+
+    stopped = stop(_settings(state_dir))
+    console.print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
+
+
+@app.command()
+def status(state_dir: Optional[Path] = StateDir) -> None:
+    """Show the embedded services and their addresses."""
+    from .services import status as read
+
+    _print_status(read(_settings(state_dir)))
+
+
+def _print_status(st) -> None:
+    from dataclasses import asdict
+
+    console.print_json(json.dumps(asdict(st), default=str))
+
+
+@app.command()
+def worker() -> None:
+    """Run a Temporal worker for ratchet's workflows and activities (SIGTERM stops it gracefully)."""
+    from .worker import main as worker_main
+
+    worker_main()
+
+
+@app.command()
+def prepare(out: Path = typer.Option(Path(".ratchet/assets"), help="Where to write the model and the task data.")) -> None:
+    """Build the tiny digit model and the task datasets the examples use."""
+    from .assets import prepare_assets
+
+    assets = prepare_assets(out)
+    console.print(f"model: {assets.model}")
+    for task, (train, evals) in assets.data.items():
+        console.print(f"{task}: {train} , {evals}")
+
+
+@app.command()
+def train(
+    config: Path = typer.Argument(..., help="Run config (YAML)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides, e.g. trainer.lr=3e-4."),
+    detach: bool = typer.Option(False, "--detach", help="Submit and return the run id without waiting."),
+) -> None:
+    """Validate CONFIG, submit the run, and follow it with a progress bar."""
+    from ratchet.config import load_config
+
+    from .client import Client
+    from .watch import summary_table, watch
+
+    cfg = _exit_on_config_error(load_config, config, overrides or [])
+    client = Client.connect()
+    handle = client.submit(cfg)
+    console.print(f"submitted run [bold]{handle.run_id}[/bold]")
+    if detach:
+        return
+    summary = watch(handle, console)
+    console.print(summary_table(summary, 0.0))
+    _flush_and_exit(0)
+
+
+@app.command()
+def demo(
+    overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides of the demo recipe, e.g. loop.steps=30."),
+    state_dir: Optional[Path] = StateDir,
+) -> None:
+    """Start everything, warm up and train the tiny model on the copy task with GRPO."""
+    from .demo import run_demo
+
+    code = _exit_on_config_error(run_demo, _settings(state_dir), overrides or [], console)
+    _flush_and_exit(code)
+
+
+def _flush_and_exit(code: int) -> None:
+    # The Temporal SDK can crash in PyGILState_Release at interpreter exit: leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("RATCHET_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    main()

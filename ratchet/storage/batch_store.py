@@ -1,0 +1,49 @@
+"""Rollout batches and their scores, as safetensors plus JSON metadata.
+
+Keys derive from the step alone (`batches/step-000012/rollout.safetensors`), so a retried
+rollout or scoring activity overwrites its own output instead of adding a second copy.
+Per-sample strings (data source, ground truth, extra info) ride in the safetensors header
+as JSON; nothing here is a pickle.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .object_store import ObjectStore
+
+
+def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
+    return st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={"meta": json.dumps(meta)})
+
+
+def unpack_tensors(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    meta = json.loads(header.get("__metadata__", {}).get("meta", "{}"))
+    return st_load(data), meta
+
+
+class BatchStore:
+    """The batches of one run; `store` is rooted at the run's folder. `kind` separates
+    training batches from evaluation batches (`batches/`, `evals/`)."""
+
+    def __init__(self, store: ObjectStore, kind: str = "batches"):
+        self.store = store
+        self.kind = kind
+
+    def step_key(self, step: int) -> str:
+        return f"{self.kind}/step-{step:06d}"
+
+    def write(self, step: int, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> str:
+        return self.store.put_bytes(f"{self.step_key(step)}/{name}.safetensors", pack_tensors(tensors, meta))
+
+    def read(self, step: int, name: str) -> tuple[dict[str, torch.Tensor], dict]:
+        return unpack_tensors(self.store.get_bytes(f"{self.step_key(step)}/{name}.safetensors"))
+
+    def has(self, step: int, name: str) -> bool:
+        return self.store.exists(f"{self.step_key(step)}/{name}.safetensors")

@@ -1,0 +1,77 @@
+"""Supervised warm-up: a few seconds of next-token training on the task's answers.
+
+Pure RL from random weights does not learn the digit tasks (no sample ever scores, so
+there is no signal); a short warm-up teaches the answer format and a little of the task,
+and RL takes it from there.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .prompts import PromptSet
+
+
+def supervised_warmup(model, tokenizer, prompts: PromptSet, *, steps: int, lr: float, batch_size: int, seed: int) -> list[float]:
+    """Train `model` in place on prompt -> ground truth + EOS; returns the loss per step."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model.train()
+    losses = []
+    for _ in range(steps):
+        idx = [rng.randrange(len(prompts)) for _ in range(batch_size)]
+        seqs, starts = [], []
+        for i in idx:
+            answer = tokenizer(prompts.sample_info(i)["ground_truth"], add_special_tokens=False)["input_ids"]
+            p = prompts.token_ids[i]
+            seqs.append(p + answer + [eos])
+            starts.append(len(p))
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        attn = torch.zeros_like(ids)
+        for r, (s, st) in enumerate(zip(seqs, starts)):
+            ids[r, : len(s)] = torch.tensor(s)
+            attn[r, : len(s)] = 1
+            labels[r, st : len(s)] = torch.tensor(s[st:])
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def warmup_policy(cfg, base_model_path: str, run_uri: str) -> dict:
+    """Warm up the configured model and store it as `warmup/model` in the run folder.
+
+    Idempotent: a retried call finds the committed model (its manifest) and returns it."""
+    import time
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ratchet.storage import ObjectStore
+
+    from .hf_io import MANIFEST, save_hf
+    from .runtime import configure_worker_process
+
+    configure_worker_process(cfg.resources.torch_threads)
+    run = ObjectStore(run_uri)
+    if run.exists(f"warmup/model/{MANIFEST}") and run.exists("warmup/losses.json"):
+        return {"uri": run.uri("warmup/model"), **run.get_json("warmup/losses.json"), "seconds": 0.0}
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(base_model_path)
+    model = AutoModelForCausalLM.from_pretrained(base_model_path)
+    prompts = PromptSet(cfg.data.train_files, tokenizer, prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length)
+    w = cfg.warmup
+    losses = supervised_warmup(model, tokenizer, prompts, steps=w.steps, lr=w.lr, batch_size=w.batch_size, seed=cfg.seed)
+    summary = {"loss_first": losses[0], "loss_last": losses[-1]}
+    uri = save_hf(model, tokenizer, run, "warmup/model")
+    run.put_json("warmup/losses.json", summary)
+    return {"uri": uri, **summary, "seconds": time.perf_counter() - t0}

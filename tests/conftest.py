@@ -1,0 +1,67 @@
+"""Session fixtures: the demo assets, and a real platform (Temporal dev server, Ray head,
+a `ratchet worker` process) started the way `ratchet demo` starts it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from .helpers import free_ports
+
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    from ratchet.platform.assets import prepare_assets
+
+    return prepare_assets(tmp_path_factory.mktemp("assets"), tasks=("copy",))
+
+
+@dataclass
+class Platform:
+    settings: object
+    client: object
+    runs_root: Path
+    assets: object
+
+    def overrides(self, *extra: str) -> list[str]:
+        """The demo recipe pointed at the test assets and storage, plus `extra`."""
+        train, evals = self.assets.data["copy"]
+        return [
+            f"model.path={self.assets.model}",
+            f"data.train_files={train}",
+            f"data.eval_files={evals}",
+            f"storage.root={self.runs_root}",
+            *extra,
+        ]
+
+
+@pytest.fixture(scope="session")
+def platform(assets):
+    from ratchet.platform.client import Client
+    from ratchet.platform.demo import start_worker_process, stop_worker_process
+    from ratchet.platform.services import ServiceSettings, down, temporal_address, up
+
+    # Short path: Ray's unix socket paths must stay under 107 characters.
+    state = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-"))
+    t, ui, r = free_ports(3)
+    settings = ServiceSettings(state_dir=state, temporal_port=t, temporal_ui_port=ui, ray_port=r, start_timeout_s=60.0)
+    up(settings)
+    # A killed worker stalls its workflow for the sticky timeout; keep it short in tests.
+    os.environ["RATCHET_STICKY_TIMEOUT_S"] = "1"
+    worker = start_worker_process(settings)
+    client = Client.connect(temporal_address(settings))
+    try:
+        yield Platform(settings=settings, client=client, runs_root=state / "runs", assets=assets)
+    finally:
+        stop_worker_process(worker)
+        down(settings)
+        shutil.rmtree(state, ignore_errors=True)
