@@ -27,9 +27,7 @@ class LoopPlan:
 
     steps: int
     prompts_per_step: int
-    num_prompts: int
     eval_every: int
-    warmup_steps: int
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import free_ports
+from ratchet.platform.services import free_ports
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -3,6 +3,7 @@ process, the Python client. Seeded and CI-sized."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from pathlib import Path
@@ -68,7 +69,7 @@ def test_eval_reward_beats_warmup_model(grpo_run):
 
 def test_history_has_one_activity_per_phase_per_step(grpo_run, platform):
     handle, _ = grpo_run
-    history = platform.client._run(handle._handle().fetch_history())
+    history = handle.history()
     scheduled = Counter(
         e.activity_task_scheduled_event_attributes.activity_type.name
         for e in history.events
@@ -86,8 +87,8 @@ def test_history_replays_deterministically(grpo_run, platform):
     from ratchet.workflows.training import TrainingWorkflow
 
     handle, _ = grpo_run
-    history = platform.client._run(handle._handle().fetch_history())
-    platform.client._run(Replayer(workflows=[TrainingWorkflow]).replay_workflow(history))
+    history = handle.history()
+    asyncio.run(Replayer(workflows=[TrainingWorkflow]).replay_workflow(history))
 
 
 def test_fsdp2_trainer_with_two_ranks(platform):

@@ -20,7 +20,7 @@ import pytest
 from ratchet.platform import services as svc
 from ratchet.platform.services import ServiceError, ServiceSettings
 
-from .helpers import free_ports
+from ratchet.platform.services import free_ports
 
 
 

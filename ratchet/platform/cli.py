@@ -34,7 +34,8 @@ def _exit_on_config_error(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except ConfigError as exc:
-        err.print(f"[red]{exc}[/red]", highlight=False)
+        # Plain text, unwrapped: the message names fields a user may want to copy.
+        typer.secho(str(exc), err=True, fg="red")
         raise typer.Exit(2)
 
 
@@ -75,11 +76,19 @@ def _print_status(st) -> None:
 
 
 @app.command()
-def worker() -> None:
+def worker(
+    temporal_address: Optional[str] = typer.Option(None, help="Temporal frontend host:port (default $RATCHET_TEMPORAL_ADDRESS or 127.0.0.1:7233)."),
+    ray_address: Optional[str] = typer.Option(None, help="Ray GCS host:port (default $RATCHET_RAY_ADDRESS or 127.0.0.1:6380)."),
+    namespace: Optional[str] = typer.Option(None, help="Temporal namespace (default $RATCHET_NAMESPACE or 'default')."),
+) -> None:
     """Run a Temporal worker for ratchet's workflows and activities (SIGTERM stops it gracefully)."""
-    from .worker import main as worker_main
+    from .worker import WorkerSettings, run_worker
 
-    worker_main()
+    settings = WorkerSettings.from_env()
+    settings.temporal_address = temporal_address or settings.temporal_address
+    settings.ray_address = ray_address or settings.ray_address
+    settings.namespace = namespace or settings.namespace
+    run_worker(settings)
 
 
 @app.command()

@@ -18,7 +18,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ratchet.types import TASK_QUEUE, LoopPlan, Progress, RunSummary, TrainingInput
 
@@ -32,15 +32,7 @@ def make_run_id(name: str) -> str:
 
 
 def loop_plan(cfg) -> LoopPlan:
-    import pyarrow.parquet as pq
-
-    return LoopPlan(
-        steps=cfg.loop.steps,
-        prompts_per_step=cfg.loop.prompts_per_step,
-        num_prompts=pq.ParquetFile(cfg.data.train_files).metadata.num_rows,
-        eval_every=cfg.loop.eval_every,
-        warmup_steps=cfg.warmup.steps,
-    )
+    return LoopPlan(steps=cfg.loop.steps, prompts_per_step=cfg.loop.prompts_per_step, eval_every=cfg.loop.eval_every)
 
 
 @dataclass
@@ -58,12 +50,34 @@ class RunHandle:
         coro = self._handle().result()
         return self.client._run(asyncio.wait_for(coro, timeout) if timeout else coro)
 
+    def follow(self, every: float = 0.5) -> Iterator[Progress]:
+        """Yield the run's progress every `every` seconds until the workflow closes."""
+        from temporalio.service import RPCError
+
+        done = self.client._loop.create_task(self._handle().result())
+        try:
+            while not done.done():
+                try:
+                    yield self.progress()
+                except RPCError:  # no workflow task has run yet, so the query has no answer
+                    pass
+                self.client._run(asyncio.wait([done], timeout=every))
+        finally:
+            if not done.done():
+                done.cancel()
+            else:
+                done.exception()  # retrieved here; result() reports it
+
     def status(self) -> str:
         desc = self.client._run(self._handle().describe())
         return desc.status.name if desc.status else "UNKNOWN"
 
     def cancel(self) -> None:
         self.client._run(self._handle().cancel())
+
+    def history(self):
+        """The run's Temporal event history (one workflow run)."""
+        return self.client._run(self._handle().fetch_history())
 
 
 class Client:

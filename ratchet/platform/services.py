@@ -72,6 +72,28 @@ RAY_TEMP_DIR_MAX_LEN = _UNIX_SOCKET_MAX - len(_RAY_SOCKET_SUFFIX)
 # `ray start` keeps these for worker processes and refuses a GCS port inside them.
 RAY_WORKER_PORTS = (10002, 19999)
 
+
+# Ports `ray start` reserves or uses by default, which a picked port must avoid.
+_AVOID_PORTS = set(range(RAY_WORKER_PORTS[0], RAY_WORKER_PORTS[1] + 1)) | {6379, 7233, 8233, 8265, 10001, 52365}
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports that were free a moment ago, outside Ray's reserved ranges
+    (for tests and benchmarks that run their own services beside a user's)."""
+    socks, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            port = s.getsockname()[1]
+            if port not in _AVOID_PORTS and port not in ports:
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
 # Popen objects of the services started by this process, so that `down` in the same
 # process can reap them (no zombies, no "still running" ResourceWarning).
 _CHILDREN: dict[int, subprocess.Popen] = {}

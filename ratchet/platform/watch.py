@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -25,25 +23,18 @@ def watch(handle: RunHandle, console: Console) -> RunSummary:
         TextColumn("[dim]{task.fields[phase]}"),
         TimeElapsedColumn(),
     ]
-    result = handle._handle().result()
-    pending = handle.client._loop.create_task(result)
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(handle.run_id, total=None, reward="-", tps="-", phase="starting")
-        while not pending.done():
-            try:
-                p = handle.progress()
-                bar.update(
-                    task,
-                    total=p.total_steps or None,
-                    completed=p.step,
-                    reward=f"{p.reward_mean:.3f}" if p.reward_mean is not None else "-",
-                    tps=f"{p.tokens_per_second:,.0f}" if p.tokens_per_second else "-",
-                    phase=p.phase,
-                )
-            except Exception:  # the workflow may not have run its first task yet
-                pass
-            handle.client._run(asyncio.wait([pending], timeout=POLL_SECONDS))
-        summary = pending.result()
+        for p in handle.follow(POLL_SECONDS):
+            bar.update(
+                task,
+                total=p.total_steps or None,
+                completed=p.step,
+                reward=f"{p.reward_mean:.3f}" if p.reward_mean is not None else "-",
+                tps=f"{p.tokens_per_second:,.0f}" if p.tokens_per_second else "-",
+                phase=p.phase,
+            )
+        summary = handle.result()
         bar.update(task, completed=summary.steps, phase="completed")
     return summary
 

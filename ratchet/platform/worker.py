@@ -90,12 +90,16 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
             log.info("shutting down")
 
 
-def main() -> None:
+def run_worker(settings: WorkerSettings) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(WorkerSettings.from_env()))
+    asyncio.run(serve(settings))
     # The SDK can crash in PyGILState_Release at interpreter exit; leave without it.
     logging.shutdown()
     os._exit(0)
+
+
+def main() -> None:
+    run_worker(WorkerSettings.from_env())
 
 
 if __name__ == "__main__":

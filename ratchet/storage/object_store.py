@@ -38,9 +38,17 @@ class ObjectStore:
         final = self.path(key)
         tmp = f"{final}.tmp-{uuid.uuid4().hex}"
         self.fs.makedirs(final.rpartition("/")[0], exist_ok=True)
-        with self.fs.open(tmp, "wb") as f:
-            f.write(data)
-        self.fs.mv(tmp, final)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+            self.fs.mv(tmp, final)
+        except BaseException:
+            # Leave nothing behind: the previous object (if any) is still the visible one.
+            try:
+                self.fs.rm(tmp)
+            except (FileNotFoundError, OSError):
+                pass
+            raise
         return self.uri(key)
 
     def get_bytes(self, key: str) -> bytes:

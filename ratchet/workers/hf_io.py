@@ -33,8 +33,8 @@ def local_hf_path(uri: str, cache_dir: str | None = None) -> str:
     """A local folder holding the model at `uri`; remote models are downloaded once and checked."""
     store = ObjectStore(uri)
     if store.protocol == "file":
-        if Path(uri).joinpath("config.json").is_file():
-            return str(Path(uri))
+        if Path(store.root).joinpath("config.json").is_file():
+            return store.root
         raise FileNotFoundError(f"no Hugging Face model at {uri}")
     manifest = store.get_json(MANIFEST)
     digest = hashlib.sha256(uri.encode()).hexdigest()[:16]

@@ -30,9 +30,10 @@ class HFEngine:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         n = 1 if params.greedy else params.n
-        generator_seed = torch.random.initial_seed()
-        torch.manual_seed(params.seed)
-        try:
+        # A private RNG stream seeded per call: the same (seed, prompts) give the same samples,
+        # and the process's global generator is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(params.seed)
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,
@@ -47,8 +48,6 @@ class HFEngine:
                 output_scores=True,
                 return_dict_in_generate=True,
             )
-        finally:
-            torch.manual_seed(generator_seed)
         new = out.sequences[:, width:]
         # `scores` are the processed logits the sampler drew from (temperature, top-p applied).
         logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,488 @@
+"""In-process worker pieces (no Ray): prompts, the HF engine, batching, scoring, the policy
+update (including FSDP2 over two gloo ranks) and the supervised warm-up, on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from ratchet.config.schema import RunConfig
+from ratchet.models.tiny import VOCAB
+from ratchet.storage import BatchStore, ObjectStore
+from ratchet.tasks.generate import write_task_parquet
+from ratchet.tasks.rewards import compute_score, digit_match_score
+from ratchet.workers.batch import RolloutBatch, load_scores, save_scores
+from ratchet.workers.engines import HFEngine, SamplingParams
+from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_logprobs
+from ratchet.workers.prompts import PromptSet
+from ratchet.workers.rollout_batching import generate_batch, prompt_indices
+from ratchet.workers.scoring import score_batch
+
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PAD, BOS, EOS = VOCAB.index("<pad>"), VOCAB.index("<bos>"), VOCAB.index("<eos>")
+EQ, COLON, COPY = VOCAB.index("="), VOCAB.index(":"), VOCAB.index("copy")
+
+
+def digit_id(d: str) -> int:
+    return VOCAB.index(d)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from ratchet.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def copy_data(tmp_path_factory) -> Path:
+    return write_task_parquet(tmp_path_factory.mktemp("data") / "copy.parquet", "copy", 64, seed=0, min_len=4, max_len=4)
+
+
+@pytest.fixture(scope="module")
+def prompts(copy_data, tokenizer) -> PromptSet:
+    return PromptSet(str(copy_data), tokenizer, max_prompt_length=64)
+
+
+@pytest.fixture(scope="module")
+def ragged_prompts(tmp_path_factory, tokenizer) -> PromptSet:
+    """Prompts of different lengths, so batches have real left padding."""
+    path = write_task_parquet(tmp_path_factory.mktemp("ragged") / "copy.parquet", "copy", 16, seed=1, min_len=1, max_len=6)
+    return PromptSet(str(path), tokenizer, max_prompt_length=64)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model) -> HFEngine:
+    return HFEngine(str(tiny_model))
+
+
+def make_cfg(model_path, **sections) -> RunConfig:
+    raw = {
+        "seed": 0,
+        "model": {"path": str(model_path)},
+        "data": {"train_files": "unused.parquet"},
+        "rollout": {"n": 4, "max_response_length": 6},
+        "trainer": {"lr": 1e-3, "micro_batch_size": 4},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return RunConfig.model_validate(raw)
+
+
+@pytest.fixture(scope="module")
+def train_batch(engine, ragged_prompts) -> RolloutBatch:
+    """2 prompts x 4 samples = 8 rows (divisible by 2 ranks), prompts of different lengths."""
+    lengths = [len(t) for t in ragged_prompts.token_ids]
+    short, long = lengths.index(min(lengths)), lengths.index(max(lengths))
+    assert lengths[short] < lengths[long]
+    params = SamplingParams(n=4, max_new_tokens=6, seed=11)
+    return generate_batch(engine, ragged_prompts, [short, long], params, policy_version=0, pad_id=PAD)
+
+
+# Rewards with spread inside each group (rows 0-3: prompt A, rows 4-7: prompt B).
+TRAIN_REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 0.25, 0.0])
+
+
+# --------------------------------------------------------------------------- PromptSet
+
+
+def test_prompt_set_uses_chat_template(prompts):
+    assert len(prompts) == 64
+    for i in (0, 17, 63):
+        ids = prompts.token_ids[i]
+        info = prompts.sample_info(i)
+        truth = info["ground_truth"]
+        assert len(truth) == 4 and truth.isdigit()
+        # "<bos>" "copy" ":" d d d d "="
+        assert ids == [BOS, COPY, COLON, *[digit_id(d) for d in truth], EQ]
+        assert ids[-1] == EQ
+        assert info["data_source"] == "digits/copy"
+        assert info["extra_info"]["index"] == i
+
+
+def test_prompt_set_rejects_long_prompts(copy_data, tokenizer):
+    # each prompt is 8 tokens
+    PromptSet(str(copy_data), tokenizer, max_prompt_length=8)
+    with pytest.raises(ValueError, match=r"data\.max_prompt_length=7") as err:
+        PromptSet(str(copy_data), tokenizer, max_prompt_length=7)
+    assert "8 tokens" in str(err.value)
+
+
+def test_prompt_indices_wrap():
+    assert prompt_indices(62, 4, 64) == [62, 63, 0, 1]
+    assert prompt_indices(0, 3, 64) == [0, 1, 2]
+
+
+# --------------------------------------------------------------------------- HFEngine
+
+
+def check_generation(gen, max_new_tokens: int) -> None:
+    assert len(gen.token_ids) == len(gen.logprobs) > 0
+    assert gen.token_ids[-1] == EOS or len(gen.token_ids) == max_new_tokens
+    assert EOS not in gen.token_ids[:-1]  # nothing after the first EOS
+    assert all(lp <= 0.0 and math.isfinite(lp) for lp in gen.logprobs)
+
+
+def test_engine_samples_n_per_prompt_and_is_seeded(engine, prompts):
+    batch = [prompts.token_ids[i] for i in (0, 1, 2)]
+    params = SamplingParams(n=4, max_new_tokens=6, seed=1234)
+    out = engine.generate(batch, params)
+    assert len(out) == 3 and all(len(group) == 4 for group in out)
+    for group in out:
+        for gen in group:
+            check_generation(gen, 6)
+    again = engine.generate(batch, params)
+    assert [[g.token_ids for g in grp] for grp in again] == [[g.token_ids for g in grp] for grp in out]
+    assert [[g.logprobs for g in grp] for grp in again] == [[g.logprobs for g in grp] for grp in out]
+    other = engine.generate(batch, SamplingParams(n=4, max_new_tokens=6, seed=99))
+    assert [[g.token_ids for g in grp] for grp in other] != [[g.token_ids for g in grp] for grp in out]
+    # samples of one prompt differ from each other (random model, 21 tokens, 6 steps)
+    assert len({tuple(g.token_ids) for g in out[0]}) > 1
+
+
+def test_engine_greedy_gives_n_identical_samples(engine, prompts):
+    batch = [prompts.token_ids[i] for i in (3, 4)]
+    out = engine.generate(batch, SamplingParams(n=3, max_new_tokens=5, greedy=True, seed=0))
+    assert len(out) == 2
+    for group in out:
+        assert len(group) == 3
+        assert all(g.token_ids == group[0].token_ids and g.logprobs == group[0].logprobs for g in group)
+        check_generation(group[0], 5)
+    # greedy does not depend on the seed
+    other = engine.generate(batch, SamplingParams(n=3, max_new_tokens=5, greedy=True, seed=7))
+    assert [g[0].token_ids for g in other] == [g[0].token_ids for g in out]
+
+
+# --------------------------------------------------------------------------- generate_batch
+
+
+def test_generate_batch_shapes_masks_and_versions(engine, ragged_prompts):
+    by_length = {len(t): i for i, t in enumerate(ragged_prompts.token_ids)}
+    assert len(by_length) >= 3
+    indices = [by_length[n] for n in sorted(by_length)[:3]]  # three different prompt lengths
+    params = SamplingParams(n=4, max_new_tokens=6, seed=3)
+    batch = generate_batch(engine, ragged_prompts, indices, params, policy_version=3, pad_id=PAD)
+    groups = engine.generate([ragged_prompts.token_ids[i] for i in indices], params)
+    gens = [g for grp in groups for g in grp]
+    b = 12
+    prompt_w = max(len(ragged_prompts.token_ids[i]) for i in indices)
+    resp_w = max(len(g.token_ids) for g in gens)
+    assert len(batch) == b
+    assert batch.prompt_ids.shape == batch.prompt_mask.shape == (b, prompt_w)
+    for t in (batch.response_ids, batch.response_mask, batch.rollout_logprobs, batch.policy_version):
+        assert t.shape == (b, resp_w)
+    assert batch.input_ids.shape == batch.attention_mask.shape == (b, prompt_w + resp_w)
+    assert batch.prompt_index.tolist() == [indices[0]] * 4 + [indices[1]] * 4 + [indices[2]] * 4
+    assert batch.response_mask.dtype == torch.float32 and batch.policy_version.dtype == torch.long
+    for r in range(b):
+        p = ragged_prompts.token_ids[indices[r // 4]]
+        k = len(gens[r].token_ids)
+        # prompts left-padded
+        assert batch.prompt_ids[r, prompt_w - len(p) :].tolist() == p
+        assert batch.prompt_ids[r, : prompt_w - len(p)].eq(PAD).all()
+        assert batch.prompt_mask[r].tolist() == [0] * (prompt_w - len(p)) + [1] * len(p)
+        # responses right-padded
+        assert batch.response_ids[r, :k].tolist() == gens[r].token_ids
+        assert batch.response_ids[r, k:].eq(PAD).all()
+        assert batch.response_mask[r].tolist() == [1.0] * k + [0.0] * (resp_w - k)
+        torch.testing.assert_close(batch.rollout_logprobs[r, :k], torch.tensor(gens[r].logprobs))
+        assert batch.rollout_logprobs[r, k:].eq(0).all()
+        assert batch.policy_version[r].tolist() == [3] * k + [0] * (resp_w - k)
+        assert batch.samples[r] == ragged_prompts.sample_info(indices[r // 4])
+
+
+def test_rollout_batch_select_and_store_round_trip(train_batch, tmp_path):
+    sub = train_batch.select(torch.tensor([6, 1]))
+    assert len(sub) == 2 and torch.equal(sub.response_ids[0], train_batch.response_ids[6])
+    assert sub.samples == [train_batch.samples[6], train_batch.samples[1]]
+    store = BatchStore(ObjectStore(str(tmp_path)))
+    train_batch.save(store, 4)
+    save_scores(store, 4, TRAIN_REWARDS, [{"exact": 0.0}] * 8)
+    back = RolloutBatch.load(store, 4)
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs", "policy_version", "prompt_index"):
+        assert torch.equal(getattr(back, name), getattr(train_batch, name)), name
+    assert back.samples == train_batch.samples
+    rewards, extras = load_scores(store, 4)
+    assert torch.equal(rewards, TRAIN_REWARDS) and extras == [{"exact": 0.0}] * 8
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_engine_logprobs_match_trainer_recompute(engine, tiny_model, prompts, ragged_prompts, ragged):
+    from transformers import AutoModelForCausalLM
+
+    source = ragged_prompts if ragged else prompts
+    indices = list(range(6))
+    batch = generate_batch(engine, source, indices, SamplingParams(n=3, max_new_tokens=8, seed=5), policy_version=0, pad_id=PAD)
+    if ragged:
+        assert batch.prompt_mask.sum(-1).unique().numel() > 1  # real left padding
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    with torch.no_grad():
+        recomputed = token_logprobs(response_logits(model, batch, 1.0), batch.response_ids)
+    mask = batch.response_mask.bool()
+    assert mask.sum() > 20
+    diff = (recomputed - batch.rollout_logprobs).abs()[mask]
+    assert diff.max().item() < 1e-4, diff.max().item()
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def test_digit_match_score_cases():
+    assert digit_match_score("1234", "1234") == 1.0  # exact
+    assert digit_match_score("1244", "1234") == 3 / 4  # one wrong position
+    assert digit_match_score("12", "1234") == 2 / 4  # too short
+    assert digit_match_score("12345678", "1234") == 4 / 8  # longer response penalised
+    assert digit_match_score("4321", "1234") == 0.0
+    assert digit_match_score(" 1 2-3x4 = ", "1234") == 1.0  # non-digits ignored
+    assert digit_match_score("abc", "1234") == 0.0
+    assert digit_match_score("", "1234") == 0.0
+    assert digit_match_score("", "") == 1.0  # empty ground truth: only an empty answer is right
+    assert digit_match_score("no digits", "") == 1.0
+    assert digit_match_score("7", "") == 0.0
+
+
+def test_compute_score_dict_and_unknown_source():
+    assert compute_score("digits/copy", "1234", "1234") == {"score": 1.0, "exact": 1.0}
+    assert compute_score("digits/sort", "12 3 5", "1234") == {"score": 3 / 4, "exact": 0.0}
+    with pytest.raises(ValueError, match="reward.function"):
+        compute_score("gsm8k", "1", "1")
+
+
+def hand_batch(responses: list[list[int]], lengths: list[int], truths: list[str]) -> RolloutBatch:
+    b, width = len(responses), max(len(r) for r in responses)
+    response_ids = torch.full((b, width), PAD, dtype=torch.long)
+    response_mask = torch.zeros(b, width)
+    for r, (ids, n) in enumerate(zip(responses, lengths)):
+        response_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[r, :n] = 1.0
+    prompt = torch.tensor([[BOS, COPY, COLON, EQ]] * b)
+    return RolloutBatch(
+        prompt_ids=prompt,
+        prompt_mask=torch.ones_like(prompt),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        rollout_logprobs=torch.zeros(b, width),
+        policy_version=response_mask.long(),
+        prompt_index=torch.arange(b),
+        samples=[{"data_source": "digits/copy", "ground_truth": t, "extra_info": {}} for t in truths],
+    )
+
+
+def test_score_batch_by_hand(tokenizer):
+    d = {str(i): digit_id(str(i)) for i in range(10)}
+    batch = hand_batch(
+        responses=[
+            [d["1"], d["2"], d["3"], d["4"], EOS],  # exact; EOS is a special token, skipped
+            [d["1"], d["2"], d["9"], d["9"], EOS, d["3"], d["4"]],  # tokens past the mask ignored
+            [d["1"], d["2"], d["3"], d["4"], d["5"], d["6"]],  # cut at max length, too long
+            [d["7"]],  # empty response (mask 0)
+            [COPY, d["5"], COLON, d["6"], EOS],  # words ignored: "56"
+        ],
+        lengths=[5, 5, 6, 0, 5],
+        truths=["1234", "1234", "1234", "12", "56"],
+    )
+    rewards, extras = score_batch(batch, tokenizer, compute_score)
+    assert rewards.dtype == torch.float32
+    # "1234" vs "1234": 4/4;  "1299" vs "1234": 2 hits / 4;  "123456": 4 hits / max(4, 6)
+    # "" vs "12": 0 / 2;  "copy5:6" -> digits "56" vs "56": 1
+    torch.testing.assert_close(rewards, torch.tensor([1.0, 0.5, 4 / 6, 0.0, 1.0]))
+    assert extras == [{"exact": 1.0}, {"exact": 0.0}, {"exact": 0.0}, {"exact": 0.0}, {"exact": 1.0}]
+
+
+def test_score_batch_float_and_bad_dict(tokenizer):
+    batch = hand_batch([[digit_id("3"), EOS]], [2], ["3"])
+    seen = {}
+
+    def plain(data_source, solution_str, ground_truth, extra_info=None):
+        seen.update(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
+        return 0.25
+
+    rewards, extras = score_batch(batch, tokenizer, plain)
+    assert rewards.tolist() == [0.25] and extras == [{}]
+    assert seen == {"data_source": "digits/copy", "solution_str": "3", "ground_truth": "3", "extra_info": {}}
+    with pytest.raises(ValueError, match="without 'score'"):
+        score_batch(batch, tokenizer, lambda **kw: {"reward": 1.0})
+
+
+# --------------------------------------------------------------------------- PolicyTrainer
+
+
+def finite_metrics(metrics: dict) -> None:
+    for key in ("pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "logprob_diff", "adv_abs_mean", "response_length"):
+        assert key in metrics, key
+        assert math.isfinite(metrics[key]), (key, metrics[key])
+
+
+def test_train_step_updates_weights(tiny_model, train_batch):
+    trainer = PolicyTrainer(str(tiny_model), make_cfg(tiny_model))
+    assert trainer.reference is None  # kl.coef = 0: no reference model
+    before = {k: v.clone() for k, v in trainer.full_state().items()}
+    assert trainer.version == 0
+    metrics = trainer.train_step(train_batch, TRAIN_REWARDS)
+    assert trainer.version == 1
+    finite_metrics(metrics)
+    assert metrics["grad_norm"] > 0
+    assert metrics["entropy"] > 0
+    assert metrics["kl"] == 0.0
+    # one epoch: the policy that computes the loss is the old policy, ratio 1, nothing clipped
+    assert metrics["clip_frac"] == 0.0
+    # the engine sampled with the same weights: behaviour and old log-probs agree
+    assert metrics["logprob_diff"] < 1e-4
+    assert metrics["response_length"] == pytest.approx(train_batch.response_mask.sum(-1).mean().item())
+    # mean |A| over masked tokens; Dr. GRPO off, so the advantage is normalised and non-zero
+    assert metrics["adv_abs_mean"] > 0.1
+    after = trainer.full_state()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) > len(before) // 2
+    assert "model.layers.0.self_attn.q_proj.weight" in changed
+    trainer.train_step(train_batch, TRAIN_REWARDS)
+    assert trainer.version == 2
+    np_state = trainer.state_numpy()
+    assert set(np_state) == set(after) and trainer.num_parameters() > 500_000
+
+
+def test_train_step_several_ppo_epochs(tiny_model, train_batch):
+    trainer = PolicyTrainer(str(tiny_model), make_cfg(tiny_model, trainer={"ppo_epochs": 3, "lr": 1e-2}))
+    metrics = trainer.train_step(train_batch, TRAIN_REWARDS)
+    finite_metrics(metrics)
+    assert trainer.version == 1  # one version per train_step, whatever the epochs
+    # later epochs see a moved policy: ratios leave the clip range and log-probs drift
+    assert 0.0 < metrics["clip_frac"] <= 1.0
+    assert metrics["logprob_diff"] > 1e-3
+
+
+def test_zero_advantage_batch_leaves_policy_gradient_zero(tiny_model, train_batch):
+    trainer = PolicyTrainer(str(tiny_model), make_cfg(tiny_model))
+    metrics = trainer.train_step(train_batch, torch.ones(8))  # every group's rewards equal
+    finite_metrics(metrics)
+    assert metrics["adv_abs_mean"] == 0.0
+    assert metrics["grad_norm"] == 0.0
+    assert trainer.version == 1
+
+
+def test_kl_to_reference(tiny_model, train_batch):
+    cfg = make_cfg(tiny_model, algorithm={"kl": {"coef": 0.1, "type": "low_var_kl"}})
+    trainer = PolicyTrainer(str(tiny_model), cfg)
+    assert trainer.reference is not None
+    assert all(not p.requires_grad for p in trainer.reference.parameters())
+    first = trainer.train_step(train_batch, TRAIN_REWARDS)
+    finite_metrics(first)
+    assert abs(first["kl"]) < 1e-7  # policy == reference before the first update
+    kls = [trainer.train_step(train_batch, TRAIN_REWARDS)["kl"] for _ in range(3)]
+    assert all(math.isfinite(k) for k in kls)
+    assert kls[-1] > 1e-6
+    # the reference stays frozen at the initial weights
+    from safetensors.torch import load_file
+
+    initial = load_file(str(tiny_model / "model.safetensors"))
+    ref_state = trainer.reference.state_dict()
+    for name, tensor in initial.items():
+        assert torch.equal(ref_state[name], tensor), name
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def test_supervised_warmup_lowers_loss(tiny_model, tokenizer, prompts):
+    from transformers import AutoModelForCausalLM
+
+    from ratchet.workers.warmup import supervised_warmup
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    losses = supervised_warmup(model, tokenizer, prompts, steps=30, lr=3e-3, batch_size=16, seed=0)
+    assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    assert not model.training
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_rank(rank: int, world_size: int, port: int, model_path: str, cfg_json: str, run_dir: str, out_dir: str) -> None:
+    """One trainer rank (runs in a spawned process)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        cfg = RunConfig.model_validate_json(cfg_json)
+        store = BatchStore(ObjectStore(run_dir))
+        batch = RolloutBatch.load(store, 0)
+        rewards, _ = load_scores(store, 0)
+        trainer = PolicyTrainer(model_path, cfg, rank=rank, world_size=world_size)
+        metrics = trainer.train_step(batch, rewards)
+        state = trainer.full_state()  # a collective: every rank calls it
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "weights.safetensors"))
+            Path(out_dir, "metrics.json").write_text(json.dumps(metrics))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_two_ranks_match_single_rank(tiny_model, train_batch, tmp_path):
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    assert len(train_batch) % 2 == 0
+    # micro_batch_size 2: one rank runs 2 micro-batches of its 4 rows, the single rank 4 of 8
+    cfg = make_cfg(tiny_model, trainer={"micro_batch_size": 2, "lr": 1e-3}, algorithm={"kl": {"coef": 0.05}})
+    # End some responses early so the ranks hold different token counts (rank 0 takes rows
+    # 0, 2, 4, 6; rank 1 rows 1, 3, 5, 7): only a global normaliser gives equal results.
+    batch = train_batch.select(slice(None))
+    for row, length in {2: 2, 4: 1, 6: 3, 3: 5}.items():
+        batch.response_ids[row, length - 1] = EOS
+        batch.response_ids[row, length:] = PAD
+        batch.response_mask[row, length:] = 0.0
+        batch.policy_version[row, length:] = 0
+    tokens = batch.response_mask.sum(-1)
+    assert tokens[0::2].sum() != tokens[1::2].sum()
+    store = BatchStore(ObjectStore(str(tmp_path / "run")))
+    batch.save(store, 0)
+    save_scores(store, 0, TRAIN_REWARDS, [{}] * len(batch))
+
+    single = PolicyTrainer(str(tiny_model), cfg)
+    single_metrics = single.train_step(batch, TRAIN_REWARDS)
+    expected = single.full_state()
+
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(
+        _fsdp_rank,
+        args=(2, free_port(), str(tiny_model), cfg.model_dump_json(), str(tmp_path / "run"), str(out)),
+        nprocs=2,
+        join=True,
+    )
+    sharded = load_file(str(out / "weights.safetensors"))
+    sharded_metrics = json.loads((out / "metrics.json").read_text())
+    assert set(sharded) == set(expected)
+    worst = max((sharded[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst < 1e-5, worst
+    for key in ("pg_loss", "kl", "entropy", "clip_frac", "grad_norm"):
+        assert sharded_metrics[key] == pytest.approx(single_metrics[key], abs=1e-5), key
