@@ -28,6 +28,7 @@ class LoopPlan:
     steps: int
     prompts_per_step: int
     eval_every: int
+    evaluate: bool = True  # False when the config has no eval data
 
 
 @dataclass

@@ -50,7 +50,7 @@ def test_prepare_builds_assets(tmp_path):
 @pytest.mark.integration
 def test_train_runs_and_shows_progress(platform):
     out = run_cli(
-        "train", str(RECIPE_PATH), *platform.overrides("loop.steps=3", "warmup.steps=2", "tracking.name=cli"),
+        "train", str(RECIPE_PATH), *platform.overrides("loop.steps=3", "warmup.steps=2", "tracking.name=cli", "data.eval_files=null"),
         env={"RATCHET_TEMPORAL_ADDRESS": temporal_address(platform.settings), "COLUMNS": "200"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

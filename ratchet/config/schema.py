@@ -2,7 +2,7 @@
 
 Every section forbids unknown keys, so a typo fails at submit time instead of being
 silently ignored for a whole run. Each field's description is its documentation;
-`ratchet config-schema` prints them.
+`ratchet schema` prints them all.
 """
 
 from __future__ import annotations

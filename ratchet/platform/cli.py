@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import List, Optional
 
@@ -100,6 +101,38 @@ def prepare(out: Path = typer.Option(Path(".ratchet/assets"), help="Where to wri
     console.print(f"model: {assets.model}")
     for task, (train, evals) in assets.data.items():
         console.print(f"{task}: {train} , {evals}")
+
+
+@app.command()
+def schema() -> None:
+    """Every config key with its type, default and meaning."""
+    from rich.table import Table
+
+    from ratchet.config.schema import RunConfig
+
+    table = Table("key", "type", "default", "meaning", title="run configuration")
+    for key, type_, default, doc in _fields(RunConfig):
+        table.add_row(key, type_, default, doc)
+    console.print(table)
+
+
+def _fields(model, prefix: str = ""):
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _fields(ann, f"{prefix}{name}.")
+            continue
+        default = "(required)" if info.default is PydanticUndefined and info.default_factory is None else repr(
+            info.default_factory() if info.default_factory else info.default
+        )
+        if typing.get_origin(ann) is typing.Literal:
+            type_name = " | ".join(repr(v) for v in typing.get_args(ann))
+        else:
+            type_name = getattr(ann, "__name__", str(ann)).replace("typing.", "")
+        yield f"{prefix}{name}", type_name, default, info.description or ""
 
 
 @app.command()

@@ -32,7 +32,12 @@ def make_run_id(name: str) -> str:
 
 
 def loop_plan(cfg) -> LoopPlan:
-    return LoopPlan(steps=cfg.loop.steps, prompts_per_step=cfg.loop.prompts_per_step, eval_every=cfg.loop.eval_every)
+    return LoopPlan(
+        steps=cfg.loop.steps,
+        prompts_per_step=cfg.loop.prompts_per_step,
+        eval_every=cfg.loop.eval_every,
+        evaluate=cfg.data.eval_files is not None,
+    )
 
 
 @dataclass

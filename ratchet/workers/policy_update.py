@@ -28,10 +28,12 @@ from ratchet.algorithms import (
     ADV_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
+    AdvInputs,
     AdvParams,
     LossParams,
     Normaliser,
     kl_penalty,
+    sequence_rewards_to_tokens,
 )
 from ratchet.config.schema import RunConfig
 
@@ -130,7 +132,8 @@ class PolicyTrainer:
     def train_step(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
         alg, temperature = self.cfg.algorithm, self.cfg.rollout.temperature
         estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
-        advantages = estimator.fn(rewards, batch.prompt_index, batch.response_mask, AdvParams(alg.norm_adv_by_std))
+        inputs = AdvInputs(sequence_rewards_to_tokens(rewards, batch.response_mask), batch.response_mask, batch.prompt_index)
+        advantages = estimator.fn(inputs, AdvParams(norm_adv_by_std=alg.norm_adv_by_std)).advantages
         norm = Normaliser(
             tokens=batch.response_mask.sum().item(),
             sequences=float(len(batch)),

@@ -129,7 +129,7 @@ class TrainingWorkflow:
                 self._phase = "continuing"
                 workflow.continue_as_new(replace(inp, resume=state))
 
-        if plan.steps not in {int(k) for k in state.eval_rewards}:
+        if plan.evaluate and str(plan.steps) not in state.eval_rewards:
             await self._evaluate(state, plan.steps)
         done: FinishOutput = await self._call("finish_run", FinishInput(state.run, state.policy_version), FinishOutput)
         self._phase = "completed"
@@ -152,7 +152,8 @@ class TrainingWorkflow:
         await self._call("start_workers", StartWorkersInput(prep.run, warm.policy_uri), StartWorkersOutput)
         state = RunState(run=prep.run, policy_uri=warm.policy_uri, warmup_loss_first=warm.loss_first, warmup_loss_last=warm.loss_last)
         self._state = state
-        await self._evaluate(state, 0)
+        if start.plan.evaluate:
+            await self._evaluate(state, 0)
         return state
 
     async def _evaluate(self, state: RunState, step: int) -> None:
@@ -194,7 +195,7 @@ class TrainingWorkflow:
             "sync_megabytes": synced.megabytes,
             **{k: v for k, v in trained.metrics.items() if k not in ("response_length", "train_seconds")},
         }
-        if plan.eval_every and state.next_step % plan.eval_every == 0:
+        if plan.evaluate and plan.eval_every and state.next_step % plan.eval_every == 0:
             await self._evaluate(state, state.next_step)
             metrics["eval_reward"] = state.eval_rewards[str(state.next_step)]
         # A local activity: a few milliseconds of file I/O need no task-queue round trip.
