@@ -29,6 +29,8 @@ class LoopPlan:
     prompts_per_step: int
     eval_every: int
     evaluate: bool = True  # False when the config has no eval data
+    kl_coef: float = 0.0  # initial KL coefficient; the workflow carries the adapted one
+    sampling_rounds: int = 1  # > 1 with DAPO dynamic sampling: rollout rounds allowed per step
 
 
 @dataclass
@@ -38,7 +40,9 @@ class RunState:
     run: RunRef
     policy_uri: str
     next_step: int = 0
+    next_prompt: int = 0  # the prompt frontier: prompts before it have been rolled out
     policy_version: int = 0
+    kl_coef: float = 0.0
     rewards: list[float] = field(default_factory=list)
     eval_rewards: dict[str, float] = field(default_factory=dict)
     warmup_loss_first: float = 0.0
@@ -98,6 +102,7 @@ class RolloutInput:
     prompt_start: int
     prompt_count: int
     policy_version: int
+    part: int = 0  # rollout round within the step (dynamic sampling refills)
 
 
 @dataclass
@@ -111,6 +116,7 @@ class BatchRef:
     num_samples: int
     num_response_tokens: int
     policy_version: int
+    part: int = 0
     generate_seconds: float = 0.0
     response_length_mean: float = 0.0
 
@@ -126,6 +132,7 @@ class ScoreOutput:
     reward_mean: float
     reward_std: float
     seconds: float
+    informative_groups: int = 0  # groups whose rewards are not all equal
 
 
 @dataclass
@@ -133,6 +140,8 @@ class TrainInput:
     run: RunRef
     batch: BatchRef
     policy_version: int
+    kl_coef: float = 0.0
+    parts: int = 1  # rollout rounds of the step to train on
 
 
 @dataclass
@@ -140,6 +149,7 @@ class TrainOutput:
     policy_version: int
     metrics: dict[str, float]
     seconds: float
+    kl_coef: float = 0.0  # the controller's coefficient for the next step
 
 
 @dataclass

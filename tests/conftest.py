@@ -64,4 +64,5 @@ def platform(assets):
     finally:
         stop_worker_process(worker)
         down(settings)
-        shutil.rmtree(state, ignore_errors=True)
+        if not os.environ.get("RATCHET_KEEP_TEST_STATE"):  # keep logs for debugging when set
+            shutil.rmtree(state, ignore_errors=True)

@@ -16,6 +16,7 @@ from ratchet.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
+    AdvInputs,
     AdvParams,
     LossParams,
     Normaliser,
@@ -25,6 +26,7 @@ from ratchet.algorithms import (
     register_kl,
     register_loss_agg,
     register_policy_loss,
+    sequence_rewards_to_tokens,
 )
 from ratchet.algorithms.registry import Registry, decorator
 
@@ -48,7 +50,9 @@ def lengths_mask(lengths: list[int], width: int) -> torch.Tensor:
 #   group 3: rows 1, 4    with rewards 0, 1
 REWARDS = torch.tensor([1.0, 0.0, 2.0, 6.0, 1.0])
 GROUP = torch.tensor([7, 3, 7, 7, 3])
-LENGTHS = [3, 1, 4, 0, 2]  # a different response length per row, one empty response
+# A different response length per row. (Under the AdvInputs API an *empty* response has no
+# token to carry its reward, so its score is 0: see test_empty_response_has_score_zero.)
+LENGTHS = [3, 1, 4, 2, 2]
 MASK = lengths_mask(LENGTHS, 4)
 
 # group 7: mean = (1 + 2 + 6) / 3 = 3; deviations -2, -1, +3;
@@ -64,6 +68,12 @@ DR_GRPO_ROW = [-2.0, -0.5, -1.0, 3.0, 0.5]
 RLOO_ROW = [-3.0, -1.0, -1.5, 4.5, 1.0]
 
 
+def estimate(name: str, rewards, group, mask, params: AdvParams) -> torch.Tensor:
+    """Advantages [B, T] of a registered estimator from [B] sequence rewards (new AdvInputs API)."""
+    inputs = AdvInputs(sequence_rewards_to_tokens(rewards, mask), mask, group)
+    return ADV_ESTIMATORS.get(name).fn(inputs, params).advantages
+
+
 def broadcast(per_row: list[float], lengths: list[int], width: int) -> list[list[float]]:
     return [[v] * n + [0.0] * (width - n) for v, n in zip(per_row, lengths)]
 
@@ -72,22 +82,33 @@ def broadcast(per_row: list[float], lengths: list[int], width: int) -> list[list
 
 
 def test_grpo_normalised_by_group_std_on_masked_tokens_only():
-    adv = ADV_ESTIMATORS.get("grpo").fn(REWARDS, GROUP, MASK, AdvParams(norm_adv_by_std=True))
+    adv = estimate("grpo", REWARDS, GROUP, MASK, AdvParams(norm_adv_by_std=True))
     close(adv, broadcast(GRPO_ROW, LENGTHS, 4))
     # spot values, rounded by hand: -2/sqrt(7) = -0.75593, 3/sqrt(7) = 1.13389, 0.5/sqrt(0.5) = 0.70711
     assert adv[0, 0].item() == pytest.approx(-0.75593, abs=1e-5)
     assert adv[2, 3].item() == pytest.approx(-0.37796, abs=1e-5)
     assert adv[4, 1].item() == pytest.approx(0.70711, abs=1e-5)
-    assert adv[1, 1:].abs().sum() == 0 and adv[3].abs().sum() == 0  # padding and the empty response
+    assert adv[1, 1:].abs().sum() == 0 and adv[3, 2:].abs().sum() == 0  # padding
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_empty_response_has_score_zero(norm):
+    # rewards 1, 2, 6 in one group, but row 2 is empty: sequence_rewards_to_tokens cannot place
+    # its 6 anywhere, so the estimator sees scores 1, 2, 0: mean 1, deviations 0, +1, -1,
+    # unbiased var (0 + 1 + 1) / 2 = 1, std 1. The empty row's advantages are all zero.
+    mask = lengths_mask([2, 2, 0], 3)
+    adv = estimate("grpo", torch.tensor([1.0, 2.0, 6.0]), torch.tensor([0, 0, 0]), mask, AdvParams(norm_adv_by_std=norm))
+    one = 1 / (1 + EPS) if norm else 1.0
+    close(adv, [[0.0, 0.0, 0.0], [one, one, 0.0], [0.0, 0.0, 0.0]])
 
 
 def test_dr_grpo_without_std_is_reward_minus_group_mean():
-    adv = ADV_ESTIMATORS.get("grpo").fn(REWARDS, GROUP, MASK, AdvParams(norm_adv_by_std=False))
+    adv = estimate("grpo", REWARDS, GROUP, MASK, AdvParams(norm_adv_by_std=False))
     close(adv, broadcast(DR_GRPO_ROW, LENGTHS, 4))
 
 
 def test_grpo_integer_rewards_and_float_mask_dtype():
-    adv = ADV_ESTIMATORS.get("grpo").fn(REWARDS.long(), GROUP, MASK, AdvParams(norm_adv_by_std=False))
+    adv = estimate("grpo", REWARDS.long(), GROUP, MASK, AdvParams(norm_adv_by_std=False))
     assert adv.dtype == torch.float32
     close(adv, broadcast(DR_GRPO_ROW, LENGTHS, 4))
 
@@ -99,10 +120,10 @@ def test_single_member_group_has_zero_advantage(name, norm):
     rewards = torch.tensor([3.0, 5.0, 100.0])
     group = torch.tensor([4, 4, 9])
     mask = torch.ones(3, 2)
-    adv = ADV_ESTIMATORS.get(name).fn(rewards, group, mask, AdvParams(norm_adv_by_std=norm))
+    adv = estimate(name, rewards, group, mask, AdvParams(norm_adv_by_std=norm))
     assert torch.isfinite(adv).all()
     assert adv[2].abs().sum().item() == 0.0
-    alone = ADV_ESTIMATORS.get(name).fn(torch.tensor([4.0]), torch.tensor([0]), torch.ones(1, 3), AdvParams(norm))
+    alone = estimate(name, torch.tensor([4.0]), torch.tensor([0]), torch.ones(1, 3), AdvParams(norm))
     assert alone.abs().sum().item() == 0.0 and torch.isfinite(alone).all()
     # the pair: mean 4, deviations -1 / +1, std = sqrt((1 + 1) / 1) = sqrt(2)
     expected = {
@@ -118,14 +139,14 @@ def test_single_member_group_has_zero_advantage(name, norm):
 def test_group_with_equal_rewards_has_zero_finite_advantage(name):
     rewards = torch.tensor([0.7, 0.7, 0.7, 0.2, 0.9])
     group = torch.tensor([0, 0, 0, 1, 1])
-    adv = ADV_ESTIMATORS.get(name).fn(rewards, group, torch.ones(5, 3), AdvParams(norm_adv_by_std=True))
+    adv = estimate(name, rewards, group, torch.ones(5, 3), AdvParams(norm_adv_by_std=True))
     assert torch.isfinite(adv).all()
     assert adv[:3].abs().max().item() < 1e-6  # std 0: 0 / (0 + eps), not 0 / 0
     assert adv[3:].abs().min().item() > 0.1
 
 
 def test_rloo_leave_one_out_values():
-    adv = ADV_ESTIMATORS.get("rloo").fn(REWARDS, GROUP, MASK, AdvParams())
+    adv = estimate("rloo", REWARDS, GROUP, MASK, AdvParams())
     close(adv, broadcast(RLOO_ROW, LENGTHS, 4), atol=1e-5)
 
 
@@ -321,7 +342,10 @@ KL_EXPECTED = {
 
 
 def test_all_kl_estimators_registered():
-    assert KL_ESTIMATORS.names() == sorted(KL_EXPECTED)
+    # the four estimators, the aliases k2 (= mse) and k3 (= low_var_kl), and a
+    # straight-through "+" variant of each name (tests/test_algorithms_extended.py)
+    names = set(KL_EXPECTED) | {"k2", "k3"}
+    assert KL_ESTIMATORS.names() == sorted(names | {n + "+" for n in names})
 
 
 @pytest.mark.parametrize("kind", sorted(KL_EXPECTED))

@@ -99,7 +99,7 @@ def test_unknown_top_level_section_lists_sections(setup: Setup) -> None:
         load_config(setup.yaml, ["trainr.lr=0.1"])
     message = issues_of(excinfo)["trainr"]
     assert "unknown key 'trainr'" in message
-    assert "valid keys at the top level: algorithm, checkpoint, data," in message
+    assert "valid keys at the top level: algorithm, checkpoint, critic, data," in message
     assert "(did you mean 'trainer'?)" in message
 
 

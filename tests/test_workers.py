@@ -17,7 +17,7 @@ from ratchet.models.tiny import VOCAB
 from ratchet.storage import BatchStore, ObjectStore
 from ratchet.tasks.generate import write_task_parquet
 from ratchet.tasks.rewards import compute_score, digit_match_score
-from ratchet.workers.batch import RolloutBatch, load_scores, save_scores
+from ratchet.workers.batch import RolloutBatch, ScoredStep, load_scores, save_scores
 from ratchet.workers.engines import HFEngine, SamplingParams
 from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_logprobs
 from ratchet.workers.prompts import PromptSet
@@ -72,6 +72,11 @@ def ragged_prompts(tmp_path_factory, tokenizer) -> PromptSet:
 @pytest.fixture(scope="module")
 def engine(tiny_model) -> HFEngine:
     return HFEngine(str(tiny_model))
+
+
+def train(trainer: PolicyTrainer, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
+    """One update on a single-part step; the metrics."""
+    return trainer.train_step(ScoredStep(batch, rewards, None), kl_coef=trainer.cfg.algorithm.kl.coef).metrics
 
 
 def make_cfg(model_path, **sections) -> RunConfig:
@@ -326,22 +331,23 @@ def test_score_batch_float_and_bad_dict(tokenizer):
 
 
 def finite_metrics(metrics: dict) -> None:
-    for key in ("pg_loss", "kl", "entropy", "clip_frac", "grad_norm", "logprob_diff", "adv_abs_mean", "response_length"):
+    # "kl" is reported only when there is a reference model (algorithm.kl.coef > 0).
+    for key in ("pg_loss", "entropy", "clip_frac", "grad_norm", "logprob_diff", "adv_abs_mean", "response_length"):
         assert key in metrics, key
         assert math.isfinite(metrics[key]), (key, metrics[key])
 
 
 def test_train_step_updates_weights(tiny_model, train_batch):
     trainer = PolicyTrainer(str(tiny_model), make_cfg(tiny_model))
-    assert trainer.reference is None  # kl.coef = 0: no reference model
+    assert trainer.reference is None  # kl.coef = 0: no reference model, so no KL metric either
     before = {k: v.clone() for k, v in trainer.full_state().items()}
     assert trainer.version == 0
-    metrics = trainer.train_step(train_batch, TRAIN_REWARDS)
+    metrics = train(trainer, train_batch, TRAIN_REWARDS)
     assert trainer.version == 1
     finite_metrics(metrics)
     assert metrics["grad_norm"] > 0
     assert metrics["entropy"] > 0
-    assert metrics["kl"] == 0.0
+    assert "kl" not in metrics
     # one epoch: the policy that computes the loss is the old policy, ratio 1, nothing clipped
     assert metrics["clip_frac"] == 0.0
     # the engine sampled with the same weights: behaviour and old log-probs agree
@@ -353,7 +359,7 @@ def test_train_step_updates_weights(tiny_model, train_batch):
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2
     assert "model.layers.0.self_attn.q_proj.weight" in changed
-    trainer.train_step(train_batch, TRAIN_REWARDS)
+    train(trainer, train_batch, TRAIN_REWARDS)
     assert trainer.version == 2
     np_state = trainer.state_numpy()
     assert set(np_state) == set(after) and trainer.num_parameters() > 500_000
@@ -361,7 +367,7 @@ def test_train_step_updates_weights(tiny_model, train_batch):
 
 def test_train_step_several_ppo_epochs(tiny_model, train_batch):
     trainer = PolicyTrainer(str(tiny_model), make_cfg(tiny_model, trainer={"ppo_epochs": 3, "lr": 1e-2}))
-    metrics = trainer.train_step(train_batch, TRAIN_REWARDS)
+    metrics = train(trainer, train_batch, TRAIN_REWARDS)
     finite_metrics(metrics)
     assert trainer.version == 1  # one version per train_step, whatever the epochs
     # later epochs see a moved policy: ratios leave the clip range and log-probs drift
@@ -371,7 +377,7 @@ def test_train_step_several_ppo_epochs(tiny_model, train_batch):
 
 def test_zero_advantage_batch_leaves_policy_gradient_zero(tiny_model, train_batch):
     trainer = PolicyTrainer(str(tiny_model), make_cfg(tiny_model))
-    metrics = trainer.train_step(train_batch, torch.ones(8))  # every group's rewards equal
+    metrics = train(trainer, train_batch, torch.ones(8))  # every group's rewards equal
     finite_metrics(metrics)
     assert metrics["adv_abs_mean"] == 0.0
     assert metrics["grad_norm"] == 0.0
@@ -383,10 +389,10 @@ def test_kl_to_reference(tiny_model, train_batch):
     trainer = PolicyTrainer(str(tiny_model), cfg)
     assert trainer.reference is not None
     assert all(not p.requires_grad for p in trainer.reference.parameters())
-    first = trainer.train_step(train_batch, TRAIN_REWARDS)
+    first = train(trainer, train_batch, TRAIN_REWARDS)
     finite_metrics(first)
     assert abs(first["kl"]) < 1e-7  # policy == reference before the first update
-    kls = [trainer.train_step(train_batch, TRAIN_REWARDS)["kl"] for _ in range(3)]
+    kls = [train(trainer, train_batch, TRAIN_REWARDS)["kl"] for _ in range(3)]
     assert all(math.isfinite(k) for k in kls)
     assert kls[-1] > 1e-6
     # the reference stays frozen at the initial weights
@@ -437,7 +443,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, model_path: str, cfg_json:
         batch = RolloutBatch.load(store, 0)
         rewards, _ = load_scores(store, 0)
         trainer = PolicyTrainer(model_path, cfg, rank=rank, world_size=world_size)
-        metrics = trainer.train_step(batch, rewards)
+        metrics = train(trainer, batch, rewards)
         state = trainer.full_state()  # a collective: every rank calls it
         if rank == 0:
             save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "weights.safetensors"))
@@ -468,7 +474,7 @@ def test_fsdp2_two_ranks_match_single_rank(tiny_model, train_batch, tmp_path):
     save_scores(store, 0, TRAIN_REWARDS, [{}] * len(batch))
 
     single = PolicyTrainer(str(tiny_model), cfg)
-    single_metrics = single.train_step(batch, TRAIN_REWARDS)
+    single_metrics = train(single, batch, TRAIN_REWARDS)
     expected = single.full_state()
 
     out = tmp_path / "out"
@@ -486,3 +492,23 @@ def test_fsdp2_two_ranks_match_single_rank(tiny_model, train_batch, tmp_path):
     assert worst < 1e-5, worst
     for key in ("pg_loss", "kl", "entropy", "clip_frac", "grad_norm"):
         assert sharded_metrics[key] == pytest.approx(single_metrics[key], abs=1e-5), key
+
+
+def test_retried_train_call_does_not_update_twice(tiny_model, train_batch, tmp_path):
+    """An activity retried after its first attempt already trained gets that result back."""
+    from ratchet.workers.trainer import TrainerWorker
+
+    run = ObjectStore(str(tmp_path / "run"))
+    store = BatchStore(run)
+    train_batch.save(store, 0)
+    save_scores(store, 0, TRAIN_REWARDS, [{}] * len(train_batch))
+    worker = TrainerWorker(make_cfg(tiny_model), str(tiny_model), run.url, 0, 1)
+    worker.setup(0)
+    first = worker.train(0, 0, 0.0)
+    after_first = {k: v.clone() for k, v in worker.trainer.full_state().items()}
+    again = worker.train(0, 0, 0.0)
+    assert again["policy_version"] == first["policy_version"] == 1
+    assert again["metrics"]["pg_loss"] == first["metrics"]["pg_loss"]
+    assert all(torch.equal(after_first[k], v) for k, v in worker.trainer.full_state().items())
+    with pytest.raises(RuntimeError, match="holds policy v1, asked to train v0"):
+        worker.train(1, 0, 0.0)

@@ -16,6 +16,7 @@ import ray
 from temporalio.exceptions import ApplicationError
 
 from ratchet.config.schema import RunConfig
+from ratchet.workers.critic import CriticWorker
 from ratchet.workers.reward import RewardWorker
 from ratchet.workers.rollout import RolloutWorker
 from ratchet.workers.trainer import TrainerWorker
@@ -68,11 +69,12 @@ class RunPools:
         """Fail at once, not after a timeout, when the cluster can never place the actors."""
         r = self.cfg.resources
         need = r.trainer_cpus * self.cfg.trainer.world_size + r.rollout_cpus + r.reward_cpus
+        need += r.critic_cpus if self.cfg.uses_critic else 0.0
         have = ray.cluster_resources().get("CPU", 0.0)
         if need > have:
             raise ApplicationError(
                 f"run {self.run_id} needs {need:g} Ray CPUs (resources.trainer_cpus x trainer.world_size + "
-                f"resources.rollout_cpus + resources.reward_cpus) but the cluster has {have:g}; "
+                f"resources.rollout_cpus + resources.reward_cpus [+ resources.critic_cpus]) but the cluster has {have:g}; "
                 "lower the resources.* values or add nodes",
                 type="ConfigError",
                 non_retryable=True,
@@ -91,7 +93,9 @@ class RunPools:
         counts = wait([a.setup.remote(port) for a in ranks])
         return counts[0]
 
-    def trainers(self, expected_version: int) -> list:
+    def trainers(self, expected_version: int, *, retrying_update: bool = False) -> list:
+        """The trainer ranks, checked to hold `expected_version` (or, for a retried train
+        attempt whose first try already updated, the version after it)."""
         ranks = [self._find("trainer", r) for r in range(self.cfg.trainer.world_size)]
         if any(a is None for a in ranks):
             raise ApplicationError(
@@ -101,9 +105,10 @@ class RunPools:
                 non_retryable=True,
             )
         held = wait(ranks[0].policy_version.remote())
-        if held != expected_version:
+        if held != expected_version and not (retrying_update and held == expected_version + 1):
             raise ApplicationError(
-                f"run {self.run_id}: trainer holds policy v{held}, the workflow expects v{expected_version}",
+                f"run {self.run_id}: trainer holds policy v{held}, the workflow expects v{expected_version} "
+                "(or the update from it, when a train attempt is retried)",
                 type=WORKER_LOST,
                 non_retryable=True,
             )
@@ -127,6 +132,16 @@ class RunPools:
             self.sync_weights(expected_version, actor)
         return actor
 
+    def start_critic(self):
+        return self._create(CriticWorker, "critic", 0, self.cfg.resources.critic_cpus, self.cfg, self.run_uri)
+
+    def critic(self):
+        actor = self._find("critic")
+        if actor is None:
+            # The critic's weights are training state: without a checkpoint it cannot come back.
+            raise ApplicationError(f"run {self.run_id}: the critic is gone and its state with it", type=WORKER_LOST, non_retryable=True)
+        return actor
+
     def reward(self, policy_path: str):
         return self._find("reward") or self.start_reward(policy_path)
 
@@ -144,7 +159,7 @@ class RunPools:
 
     def shutdown(self) -> list[str]:
         killed = []
-        roles = [("rollout", 0), ("reward", 0)] + [("trainer", r) for r in range(self.cfg.trainer.world_size)]
+        roles = [("rollout", 0), ("reward", 0), ("critic", 0)] + [("trainer", r) for r in range(self.cfg.trainer.world_size)]
         for role, rank in roles:
             actor = self._find(role, rank)
             if actor is not None:

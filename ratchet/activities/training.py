@@ -89,7 +89,10 @@ def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
     pools = pools_for(inp.run)
     pools.check_resources()
     n_params = pools.start_trainers(inp.policy_uri)
-    wait([pools.start_rollout(inp.policy_uri).policy_version.remote(), pools.start_reward(inp.policy_uri).__ray_ready__.remote()])
+    ready = [pools.start_rollout(inp.policy_uri).policy_version.remote(), pools.start_reward(inp.policy_uri).__ray_ready__.remote()]
+    if pools.cfg.uses_critic:
+        ready.append(pools.start_critic().__ray_ready__.remote())
+    wait(ready)
     return StartWorkersOutput(policy_version=0, num_parameters=n_params, seconds=time.perf_counter() - t0)
 
 
@@ -97,7 +100,7 @@ def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
 def generate(inp: RolloutInput) -> BatchRef:
     pools = pools_for(inp.run)
     rollout = pools.rollout(inp.policy_version, policy_source(inp.run))
-    out = wait(rollout.generate.remote(inp.step, inp.prompt_start, inp.prompt_count, inp.policy_version))
+    out = wait(rollout.generate.remote(inp.step, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part))
     return BatchRef(
         run_id=inp.run.run_id,
         step=inp.step,
@@ -106,6 +109,7 @@ def generate(inp: RolloutInput) -> BatchRef:
         num_samples=out["num_samples"],
         num_response_tokens=out["num_response_tokens"],
         policy_version=inp.policy_version,
+        part=inp.part,
         generate_seconds=out["generate_seconds"],
         response_length_mean=out["response_length_mean"],
     )
@@ -113,16 +117,32 @@ def generate(inp: RolloutInput) -> BatchRef:
 
 @activity.defn(name="score")
 def score(inp: ScoreInput) -> ScoreOutput:
-    out = wait(pools_for(inp.run).reward(policy_source(inp.run)).score.remote(inp.batch.step))
-    return ScoreOutput(reward_mean=out["reward_mean"], reward_std=out["reward_std"], seconds=out["seconds"])
+    out = wait(pools_for(inp.run).reward(policy_source(inp.run)).score.remote(inp.batch.step, "batches", inp.batch.part))
+    return ScoreOutput(
+        reward_mean=out["reward_mean"],
+        reward_std=out["reward_std"],
+        seconds=out["seconds"],
+        informative_groups=out["informative_groups"],
+    )
 
 
 @activity.defn(name="train")
 def train(inp: TrainInput) -> TrainOutput:
+    """Policy update; with a critic (GAE), values first and the critic's own update after."""
     t0 = time.perf_counter()
-    ranks = pools_for(inp.run).trainers(inp.policy_version)
-    outs = wait([a.train.remote(inp.batch.step, inp.policy_version) for a in ranks])
-    return TrainOutput(policy_version=outs[0]["policy_version"], metrics=outs[0]["metrics"], seconds=time.perf_counter() - t0)
+    pools = pools_for(inp.run)
+    step, parts = inp.batch.step, inp.parts
+    critic = pools.critic() if pools.cfg.uses_critic else None
+    if critic is not None:
+        wait(critic.compute_values.remote(step, parts))
+    ranks = pools.trainers(inp.policy_version, retrying_update=activity.info().attempt > 1)
+    outs = wait([a.train.remote(step, inp.policy_version, inp.kl_coef, parts) for a in ranks])
+    metrics = dict(outs[0]["metrics"])
+    if critic is not None:
+        metrics.update(wait(critic.update.remote(step, parts)))
+    return TrainOutput(
+        policy_version=outs[0]["policy_version"], metrics=metrics, seconds=time.perf_counter() - t0, kl_coef=outs[0]["kl_coef"]
+    )
 
 
 @activity.defn(name="sync_weights")

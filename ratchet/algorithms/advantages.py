@@ -8,6 +8,7 @@ per-token KL penalty when the KL is in the reward); outcome estimators use its s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -112,3 +113,152 @@ def sequence_rewards_to_tokens(rewards: torch.Tensor, response_mask: torch.Tenso
     last = (response_mask.sum(-1).long() - 1).clamp(min=0)
     token_rewards[torch.arange(len(rewards)), last] = rewards.float() * (response_mask.sum(-1) > 0)
     return token_rewards
+
+
+# --------------------------------------------------------------------------- token-level helpers
+
+WHITEN_EPS = 1e-8  # added to the variance, as verl's masked_whiten
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = WHITEN_EPS) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) with mean and *unbiased* variance over the tokens where
+    `mask` is 1 (verl's `masked_whiten`, shift_mean=True). Zero outside the mask.
+
+    Finite in every corner: an empty mask, a single token, or a constant `x` (over the mask)
+    give exactly zero; padded positions may hold anything, NaN included (a NaN on a masked-in
+    token gives NaN: garbage in real data is not hidden). Statistics are
+    taken in float64 so a constant float32 input centres to exactly 0.
+    """
+    keep = mask.bool()
+    m = keep.to(torch.float64)
+    xd = torch.where(keep, x.to(torch.float64), 0.0)
+    n = m.sum()
+    mean = xd.sum() / n.clamp(min=1.0)
+    centered = (xd - mean) * m
+    var = centered.square().sum() / (n - 1.0).clamp(min=1.0)
+    out = centered * torch.rsqrt(var + eps)
+    if x.numel():  # exactly 0 for a constant (over the mask) or empty input
+        spread = torch.where(keep, xd, -math.inf).max() - torch.where(keep, xd, math.inf).min()
+        out = torch.where(spread == 0, 0.0, out)  # NaN on a real token stays visible
+    out_dtype = x.dtype if x.is_floating_point() else torch.float32
+    return out.to(out_dtype)
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Return-to-go G_t = r_t + gamma * G_{t+1} over response tokens, [B, T] float32.
+
+    The running return is reset at every masked-out position (verl's "reset after EOS"), so
+    padding, and any hole in a multi-turn mask, starts a new segment; G is 0 outside the mask.
+    """
+    keep = mask.bool()
+    m = keep.to(torch.float32)
+    r = torch.where(keep, token_rewards.float(), 0.0)
+    out = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
+    for t in reversed(range(r.shape[1])):
+        running = (r[:, t] + gamma * running) * m[:, t]
+        out[:, t] = running
+    return out
+
+
+def _masked_scores(inputs: AdvInputs) -> torch.Tensor:
+    """Like `AdvInputs.scores`, but padding is never read (NaN there cannot leak: nan * 0 = nan)."""
+    keep = inputs.response_mask.bool()
+    return torch.where(keep, inputs.token_rewards.float(), 0.0).sum(-1)
+
+
+def _require(inputs: AdvInputs, field: str, estimator: str) -> torch.Tensor:
+    value = getattr(inputs, field)
+    if value is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs AdvInputs.{field}")
+    return value
+
+
+# --------------------------------------------------------------------------- critic / token-level
+
+
+@register_adv_estimator("gae", needs_critic=True)
+def gae(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
+    """Generalised Advantage Estimation (Schulman et al., 2016, arXiv:1506.02438), as in PPO:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t,    A_t = delta_t + gamma * lam * A_{t+1},
+        returns_t = A_t + V_t  (the critic's target, before whitening),
+
+    then the advantages are whitened over all masked tokens of the batch (masked mean and
+    unbiased std, `masked_whiten`), always (verl). V after the last response token is 0;
+    masked-out positions are skipped (V and A carry through them, verl's multi-turn rule).
+    Uses `inputs.values` [B, T], `params.gamma`, `params.lam`; both outputs are zero outside
+    the mask. A batch whose raw advantages are all equal gets advantages 0.
+    """
+    values = _require(inputs, "values", "gae")
+    keep = inputs.response_mask.bool()
+    m = keep.to(torch.float32)
+    v = torch.where(keep, values.detach().float(), 0.0)
+    r = torch.where(keep, inputs.token_rewards.float(), 0.0)
+    B, T = r.shape
+    next_value = torch.zeros(B, dtype=torch.float32, device=r.device)
+    last = torch.zeros_like(next_value)
+    adv = torch.zeros_like(r)
+    for t in reversed(range(T)):
+        delta = r[:, t] + params.gamma * next_value - v[:, t]
+        a_t = delta + params.gamma * params.lam * last
+        next_value = v[:, t] * m[:, t] + (1.0 - m[:, t]) * next_value
+        last = a_t * m[:, t] + (1.0 - m[:, t]) * last
+        adv[:, t] = last
+    returns = (adv + v) * m
+    return AdvOutput(advantages=masked_whiten(adv, m) * m, returns=returns)
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def reinforce_plus_plus(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
+    """REINFORCE++ (Hu et al., 2025, arXiv:2501.03262):
+
+        G_t = sum_{s >= t} gamma^(s - t) r_s   (reset at the end of each response),
+        A = whiten(G) over all masked tokens of the batch (global, not per group).
+
+    `returns` are the unwhitened G. Equal returns everywhere (e.g. all rewards equal and
+    gamma = 1) whiten to exactly 0.
+    """
+    returns = discounted_returns(inputs.token_rewards, inputs.response_mask, params.gamma)
+    m = inputs.response_mask.to(torch.float32)
+    return AdvOutput(advantages=masked_whiten(returns, m) * m, returns=returns)
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline", needs_group=True)
+def reinforce_plus_plus_baseline(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
+    """REINFORCE++-baseline (Hu et al., 2025, arXiv:2501.03262; verl's
+    `compute_reinforce_plus_plus_baseline_outcome_advantage`):
+
+        s_i' = s_i - mean_{j in group(i)} s_j          (s = sum of token rewards),
+        G_t = return-to-go of s_i' placed on the last response token (gamma; with the
+              default gamma = 1 every response token carries s_i', exactly as verl),
+        A = returns = whiten(G) over all masked tokens of the batch.
+
+    As in verl, a group of one keeps its raw score (baseline 0). Because the whitening is
+    over the batch, a group whose rewards are all equal gets -mean/std, not 0; a batch with
+    one score everywhere gets 0.
+    """
+    scores = _masked_scores(inputs)
+    count, mean, _ = group_stats(scores, inputs.group)
+    centered = scores - torch.where(count > 1, mean, torch.zeros_like(mean))
+    token = sequence_rewards_to_tokens(centered, inputs.response_mask)
+    rtg = discounted_returns(token, inputs.response_mask, params.gamma)
+    m = inputs.response_mask.to(torch.float32)
+    adv = masked_whiten(rtg, m) * m
+    return AdvOutput(advantages=adv, returns=adv)
+
+
+@register_adv_estimator("remax", needs_baseline=True)
+def remax(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
+    """ReMax (Li et al., 2024, arXiv:2310.10505): the baseline is the reward b_i of a greedy
+    response to the same prompt (`inputs.baseline_rewards`, [B]):
+
+        G_t = sum_{s >= t} r_s   (undiscounted, reset at the end of the response),
+        A_t = G_t - b_i on response tokens;  returns = G.
+
+    No normalisation (verl). `params.gamma` is not used.
+    """
+    baseline = _require(inputs, "baseline_rewards", "remax")
+    returns = discounted_returns(inputs.token_rewards, inputs.response_mask, 1.0)
+    m = inputs.response_mask.to(torch.float32)
+    return AdvOutput(advantages=returns - baseline.float().unsqueeze(-1) * m, returns=returns)

@@ -4,9 +4,21 @@ With r = ref_logprob - logprob (the log-ratio under samples from the policy),
 k1 = -r, abs = |r|, mse (k2) = r^2 / 2, low_var_kl (k3) = exp(r) - r - 1 (Schulman,
 "Approximating KL divergence", 2020). k3 is unbiased, non-negative and low-variance; it is
 clamped to [-10, 10] because exp(r) overflows for extreme log-ratios.
+
+Aliases: "k2" = "mse", "k3" = "low_var_kl". Straight-through variants "<name>+" (verl's
+"k1+", "k3+", ...): the forward value of the base estimator with the gradient of k2,
+d/dlogprob = logprob - ref_logprob, whose expectation under on-policy samples is the gradient
+of KL(pi || ref); used directly as loss terms, k1 and k3 give biased gradients (Tang & Munos,
+2025, "On a few pitfalls in KL divergence gradient estimation for RL").
+
+Controllers for the KL coefficient: `FixedKLController` and `AdaptiveKLController` (Ziegler
+et al., 2019, arXiv:1909.08593). They are plain dataclasses holding floats: `coef` is their
+whole mutable state (`state()` / `load_state(coef)`), so a workflow can carry it durably.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -40,5 +52,131 @@ def kl_low_var(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor
     return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
 
 
+KL_ESTIMATORS.register("k2", kl_mse)
+KL_ESTIMATORS.register("k3", kl_low_var)
+
+
+def straight_through(base):
+    """Estimator with `base`'s forward value and the gradient of k2 = (logprob - ref)^2 / 2.
+
+    Written as fwd.detach() + d.detach() * (d - d.detach()) with d = logprob - ref_logprob:
+    the second term is exactly 0 in value and has gradient d (verl writes the same as
+    k2 - k2.detach() + fwd.detach(); this form never squares d, so it cannot overflow)."""
+
+    def estimator(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+        forward = base(logprob, ref_logprob).detach()
+        d = logprob - ref_logprob
+        return forward + d.detach() * (d - d.detach())
+
+    estimator.__name__ = f"{base.__name__}_straight_through"
+    estimator.__doc__ = f"Straight-through: value of {base.__name__}, gradient of k2."
+    return estimator
+
+
+_BASES = {"k1": kl_k1, "abs": kl_abs, "mse": kl_mse, "k2": kl_mse, "low_var_kl": kl_low_var, "k3": kl_low_var}
+for _name, _base in _BASES.items():
+    KL_ESTIMATORS.register(f"{_name}+", straight_through(_base))
+
+
 def kl_penalty(kind: str, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     return KL_ESTIMATORS.get(kind)(logprob, ref_logprob)
+
+
+def apply_kl_in_reward(
+    token_rewards: torch.Tensor,
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    kind: str = "k1",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL as a reward penalty (InstructGPT / verl `use_kl_in_reward`): on response tokens,
+
+        r'_t = r_t - coef * kl_t,    kl_t = KL_ESTIMATORS[kind](logprob_t, ref_logprob_t),
+
+    with `logprob` the behaviour/old policy's log-probs. Returns (r', mean_kl) where mean_kl
+    (0-dim, detached) is verl's `current_kl`: the per-sequence token mean of kl_t averaged
+    over non-empty sequences (0 for an all-empty batch); feed float(mean_kl) to a controller's
+    `update`. Nothing here carries gradient. Outside the mask r' = r.
+    """
+    keep = mask.bool()
+    with torch.no_grad():
+        kl = kl_penalty(kind, logprob.detach(), ref_logprob.detach())
+        kl = torch.where(keep, kl, torch.zeros_like(kl))
+        penalised = token_rewards - coef * kl.to(token_rewards.dtype)
+        lengths = keep.sum(-1)
+        per_seq = kl.sum(-1) / lengths.clamp(min=1).to(kl.dtype)
+        nonempty = (lengths > 0).to(kl.dtype)
+        mean_kl = (per_seq * nonempty).sum() / nonempty.sum().clamp(min=1.0)
+    return penalised, mean_kl
+
+
+# --------------------------------------------------------------------------- controllers
+
+
+@dataclass
+class FixedKLController:
+    """A constant KL coefficient. `update` is a no-op that returns `coef`."""
+
+    coef: float
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.coef
+
+    def state(self) -> float:
+        return float(self.coef)
+
+    def load_state(self, coef: float) -> None:
+        self.coef = float(coef)
+
+
+@dataclass
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al., 2019, "Fine-Tuning Language Models from Human
+    Preferences", arXiv:1909.08593), as verl's AdaptiveKLController:
+
+        e = clip(current_kl / target - 1, -0.2, 0.2)
+        coef <- coef * (1 + e * n_steps / horizon)
+
+    `n_steps` is the number of samples (sequences) the KL was measured on, `horizon` the
+    number of samples over which the error should close. `coef` starts at `init_coef` and is
+    the only state (`state()` -> float, `load_state(float)`, or pass `coef=` to construct).
+    Pure Python: no torch, deterministic.
+    """
+
+    init_coef: float
+    target: float
+    horizon: float
+    coef: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.target > 0:
+            raise ValueError(f"adaptive KL needs target > 0, got {self.target}")
+        if not self.horizon > 0:
+            raise ValueError(f"adaptive KL needs horizon > 0, got {self.horizon}")
+        self.coef = float(self.init_coef if self.coef is None else self.coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.coef = self.coef * (1.0 + error * n_steps / self.horizon)
+        return self.coef
+
+    def state(self) -> float:
+        return float(self.coef)
+
+    def load_state(self, coef: float) -> None:
+        self.coef = float(coef)
+
+
+def make_kl_controller(
+    coef: float, target: float | None = None, horizon: float = 10000.0, state: float | None = None
+) -> FixedKLController | AdaptiveKLController:
+    """`algorithm.kl.{coef,target,horizon}` -> a controller: adaptive when `target` is set
+    (> 0), fixed otherwise. `state` (a coef carried by the workflow) restores it."""
+    if target is not None and target > 0:
+        ctrl: FixedKLController | AdaptiveKLController = AdaptiveKLController(coef, target, horizon)
+    else:
+        ctrl = FixedKLController(float(coef))
+    if state is not None:
+        ctrl.load_state(state)
+    return ctrl

@@ -293,14 +293,19 @@ def _resolve_paths(cfg: RunConfig) -> RunConfig:
     )
     root = cfg.storage.root
     storage = cfg.storage.model_copy(update={"root": root if _SCHEME.match(root) else _absolute(root)})
-    target, sep, fn_name = cfg.reward.function.rpartition(":")
-    function = f"{_absolute(target)}:{fn_name}" if sep and target.endswith(".py") else cfg.reward.function
+    function = cfg.reward.function
+    if function is not None:
+        target, sep, fn_name = function.rpartition(":")
+        function = f"{_absolute(target)}:{fn_name}" if sep and target.endswith(".py") else function
+    reward_model = _absolute(cfg.reward.model_path) if cfg.reward.model_path else None
+    critic_model = _absolute(cfg.critic.model_path) if cfg.critic.model_path else None
     return cfg.model_copy(
         update={
             "model": cfg.model.model_copy(update={"path": _absolute(cfg.model.path)}),
             "data": data,
             "storage": storage,
-            "reward": cfg.reward.model_copy(update={"function": function}),
+            "reward": cfg.reward.model_copy(update={"function": function, "model_path": reward_model}),
+            "critic": cfg.critic.model_copy(update={"model_path": critic_model}),
         }
     )
 
@@ -308,15 +313,17 @@ def _resolve_paths(cfg: RunConfig) -> RunConfig:
 def _check_files(cfg: RunConfig) -> list[Issue]:
     """Checks against this machine: the model, the datasets and the reward function must be usable."""
     issues: list[Issue] = []
-    model = Path(cfg.model.path)
-    if not model.exists():
-        issues.append(("model.path", f"model folder not found: {model}; {PREPARE_HINT}"))
-    elif not model.is_dir():
-        issues.append(("model.path", f"expected a Hugging Face model folder, got a file: {model}; {PREPARE_HINT}"))
-    elif not (model / "config.json").is_file():
-        issues.append(
-            ("model.path", f"{model} has no config.json, so it is not a Hugging Face model folder; {PREPARE_HINT}")
-        )
+    models = [("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path), ("critic.model_path", cfg.critic.model_path)]
+    for field, name in models:
+        if name is None:
+            continue
+        model = Path(name)
+        if not model.exists():
+            issues.append((field, f"model folder not found: {model}; {PREPARE_HINT}"))
+        elif not model.is_dir():
+            issues.append((field, f"expected a Hugging Face model folder, got a file: {model}; {PREPARE_HINT}"))
+        elif not (model / "config.json").is_file():
+            issues.append((field, f"{model} has no config.json, so it is not a Hugging Face model folder; {PREPARE_HINT}"))
     datasets = [("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)]
     for field, name in datasets:
         if name is None:
@@ -325,10 +332,11 @@ def _check_files(cfg: RunConfig) -> list[Issue]:
             issues.append((field, f"file not found: {name}; {PREPARE_HINT}"))
         elif not Path(name).is_file():
             issues.append((field, f"expected a parquet file, got a folder: {name}"))
-    try:
-        load_reward_fn(cfg.reward.function)
-    except RewardLoadError as exc:
-        issues.append(("reward.function", str(exc)))
+    if cfg.reward.function is not None:
+        try:
+            load_reward_fn(cfg.reward.function)
+        except RewardLoadError as exc:
+            issues.append(("reward.function", str(exc)))
     return issues
 
 

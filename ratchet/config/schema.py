@@ -37,56 +37,101 @@ class RolloutConfig(Section):
     max_response_length: int = Field(16, gt=0, description="Maximum new tokens per sample.")
 
 
+def _registered(registry: str, name: str) -> str:
+    """Validate `name` against one of `ratchet.algorithms`' registries (its error lists them)."""
+    import ratchet.algorithms as algorithms
+
+    return getattr(algorithms, registry).check(name)
+
+
 class RewardConfig(Section):
-    function: str = Field(
+    function: str | None = Field(
         "ratchet.tasks.rewards:compute_score",
-        description="Reward function as 'module:function' or 'path/to/file.py:function', with verl's signature "
-        "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict.",
+        description="Rule-based reward as 'module:function' or 'path/to/file.py:function', with verl's signature "
+        "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict; null for none.",
     )
+    function_weight: float = Field(1.0, description="Weight of the rule-based reward in the mix.")
+    model_path: str | None = Field(
+        None, description="Folder of a reward model (AutoModelForSequenceClassification, one label); null for none."
+    )
+    model_weight: float = Field(1.0, description="Weight of the reward model's score in the mix.")
+
+    @model_validator(mode="after")
+    def _some_reward(self) -> "RewardConfig":
+        if self.function is None and self.model_path is None:
+            raise ValueError("reward: set reward.function, reward.model_path, or both")
+        return self
 
 
 class KLConfig(Section):
-    type: str = Field("low_var_kl", description="KL estimator (see docs/algorithms.md).")
-    coef: float = Field(0.0, ge=0, description="Weight of the KL-to-reference loss term; 0 disables the reference model.")
+    type: str = Field("low_var_kl", description="KL estimator: k1, abs, mse|k2, low_var_kl|k3, and '+' straight-through variants.")
+    coef: float = Field(0.0, ge=0, description="KL weight (initial weight when adaptive); 0 disables the reference model.")
+    in_reward: bool = Field(False, description="Subtract coef * KL from the token rewards instead of adding a loss term.")
+    target: float | None = Field(None, gt=0, description="Target KL per token for the adaptive controller; null keeps coef fixed.")
+    horizon: int = Field(10000, gt=0, description="Adaptive controller horizon in samples (Ziegler et al., 2019).")
 
     @field_validator("type")
     @classmethod
     def _known_kl(cls, name: str) -> str:
-        from ratchet.algorithms import KL_ESTIMATORS
+        return _registered("KL_ESTIMATORS", name)
 
-        return KL_ESTIMATORS.check(name)
+
+class OffPolicyConfig(Section):
+    mode: str = Field("none", description="Correction for samples from an older policy: none, tis, decoupled, bypass, rejection.")
+    cap: float = Field(2.0, gt=1, description="Importance-weight cap (truncation, masking or rejection threshold).")
+    level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="Importance weights per token, per sequence (product), or per sequence (geometric mean)."
+    )
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, name: str) -> str:
+        return _registered("OFF_POLICY", name)
+
+
+class OverlongConfig(Section):
+    buffer_len: int = Field(0, ge=0, description="DAPO soft overlong penalty: the last buffer_len tokens before the limit; 0 disables.")
+    penalty_factor: float = Field(1.0, ge=0, description="Penalty at the length limit.")
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: str = Field("grpo", description="Advantage estimator, by registered name.")
+    adv_estimator: str = Field("grpo", description="Advantage estimator, by registered name (docs/algorithms.md).")
     norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group's reward std (False gives Dr. GRPO).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (GAE, REINFORCE++).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     policy_loss: str = Field("ppo_clip", description="Policy loss, by registered name.")
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound is 1 - clip_ratio_low.")
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound is 1 + clip_ratio_high (DAPO clip-higher).")
+    clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip constant for negative advantages (dual_clip loss).")
     loss_agg_mode: str = Field("token-mean", description="How token losses become one number, by registered name.")
     entropy_coeff: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     kl: KLConfig = Field(default_factory=KLConfig)
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards all agree and refill with new prompts.")
+    max_sampling_rounds: int = Field(3, ge=1, description="Dynamic sampling: most rollout rounds per step before training on what is kept.")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
 
     @field_validator("adv_estimator")
     @classmethod
     def _known_estimator(cls, name: str) -> str:
-        from ratchet.algorithms import ADV_ESTIMATORS
-
-        return ADV_ESTIMATORS.check(name)
+        return _registered("ADV_ESTIMATORS", name)
 
     @field_validator("policy_loss")
     @classmethod
     def _known_loss(cls, name: str) -> str:
-        from ratchet.algorithms import POLICY_LOSSES
-
-        return POLICY_LOSSES.check(name)
+        return _registered("POLICY_LOSSES", name)
 
     @field_validator("loss_agg_mode")
     @classmethod
     def _known_agg(cls, name: str) -> str:
-        from ratchet.algorithms import LOSS_AGGREGATIONS
+        return _registered("LOSS_AGGREGATIONS", name)
 
-        return LOSS_AGGREGATIONS.check(name)
+
+class CriticConfig(Section):
+    model_path: str | None = Field(None, description="Backbone of the critic (a causal LM folder); null uses model.path.")
+    lr: float = Field(1e-3, gt=0, description="Critic learning rate.")
+    cliprange_value: float = Field(0.5, gt=0, description="Value clipping range around the old values.")
+    ppo_epochs: int = Field(1, ge=1, description="Critic passes over each batch.")
 
 
 class TrainerConfig(Section):
@@ -124,6 +169,7 @@ class ResourcesConfig(Section):
     rollout_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each rollout worker.")
     trainer_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each trainer rank.")
     reward_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved by the reward worker (rule-based rewards are light: 0).")
+    critic_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved by the critic (GAE estimators only).")
     torch_threads: int = Field(1, ge=1, description="torch threads per worker process (one is fastest on small CPUs).")
 
 
@@ -142,12 +188,19 @@ class RunConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @property
+    def uses_critic(self) -> bool:
+        from ratchet.algorithms import ADV_ESTIMATORS
+
+        return ADV_ESTIMATORS.get(self.algorithm.adv_estimator).needs_critic
 
     @model_validator(mode="after")
     def _groups_need_members(self) -> "RunConfig":
@@ -158,4 +211,6 @@ class RunConfig(Section):
                 f"rollout.n must be >= 2 for adv_estimator={self.algorithm.adv_estimator!r} "
                 "(a group baseline needs several samples per prompt)"
             )
+        if self.algorithm.kl.target is not None and self.algorithm.kl.coef == 0:
+            raise ValueError("algorithm.kl.coef must be > 0 when algorithm.kl.target is set (the adaptive controller scales it)")
         return self

@@ -69,3 +69,21 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, l
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def build_tiny_reward_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 2) -> Path:
+    """A tiny `LlamaForSequenceClassification` with one label over the same digit tokenizer:
+    a reward model for tests and examples (random weights unless you train it)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = tiny_llama_config(len(tokenizer), hidden=hidden, layers=layers, heads=heads)
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

@@ -37,6 +37,8 @@ def loop_plan(cfg) -> LoopPlan:
         prompts_per_step=cfg.loop.prompts_per_step,
         eval_every=cfg.loop.eval_every,
         evaluate=cfg.data.eval_files is not None,
+        kl_coef=cfg.algorithm.kl.coef,
+        sampling_rounds=cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
     )
 
 

@@ -18,7 +18,15 @@ from .object_store import ObjectStore
 
 
 def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
-    return st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={"meta": json.dumps(meta)})
+    # safetensors refuses tensors that share memory (e.g. advantages that are also the returns).
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return st_save(out, metadata={"meta": json.dumps(meta)})
 
 
 def unpack_tensors(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:

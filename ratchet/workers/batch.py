@@ -47,19 +47,74 @@ class RolloutBatch:
             samples=[self.samples[i] for i in idx.tolist()],
         )
 
-    def save(self, store: BatchStore, step: int) -> str:
-        return store.write(step, "rollout", {n: getattr(self, n) for n in TENSOR_FIELDS}, {"samples": self.samples})
+    def save(self, store: BatchStore, step: int, name: str = "rollout") -> str:
+        return store.write(step, name, {n: getattr(self, n) for n in TENSOR_FIELDS}, {"samples": self.samples})
 
     @classmethod
-    def load(cls, store: BatchStore, step: int) -> "RolloutBatch":
-        tensors, meta = store.read(step, "rollout")
+    def load(cls, store: BatchStore, step: int, name: str = "rollout") -> "RolloutBatch":
+        tensors, meta = store.read(step, name)
         return cls(**{n: tensors[n] for n in TENSOR_FIELDS}, samples=meta["samples"])
 
+    @classmethod
+    def concat(cls, parts: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+        """Rows of all parts; prompts re-left-padded and responses re-right-padded to the widest."""
+        if len(parts) == 1:
+            return parts[0]
+        p_w = max(b.prompt_ids.shape[1] for b in parts)
+        r_w = max(b.response_ids.shape[1] for b in parts)
 
-def save_scores(store: BatchStore, step: int, rewards: torch.Tensor, extras: list[dict]) -> str:
-    return store.write(step, "scores", {"reward": rewards.float()}, {"extras": extras})
+        def left(t: torch.Tensor, fill) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (p_w - t.shape[1], 0), value=fill)
+
+        def right(t: torch.Tensor, fill) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, r_w - t.shape[1]), value=fill)
+
+        return cls(
+            prompt_ids=torch.cat([left(b.prompt_ids, pad_id) for b in parts]),
+            prompt_mask=torch.cat([left(b.prompt_mask, 0) for b in parts]),
+            response_ids=torch.cat([right(b.response_ids, pad_id) for b in parts]),
+            response_mask=torch.cat([right(b.response_mask, 0.0) for b in parts]),
+            rollout_logprobs=torch.cat([right(b.rollout_logprobs, 0.0) for b in parts]),
+            policy_version=torch.cat([right(b.policy_version, 0) for b in parts]),
+            prompt_index=torch.cat([b.prompt_index for b in parts]),
+            samples=[s for b in parts for s in b.samples],
+        )
 
 
-def load_scores(store: BatchStore, step: int) -> tuple[torch.Tensor, list[dict]]:
-    tensors, meta = store.read(step, "scores")
+def part_name(base: str, part: int) -> str:
+    """File names of a step's rollout rounds: `rollout`, `rollout-1`, ... (DAPO refills add rounds)."""
+    return base if part == 0 else f"{base}-{part}"
+
+
+def save_scores(store: BatchStore, step: int, rewards: torch.Tensor, extras: list[dict], name: str = "scores") -> str:
+    return store.write(step, name, {"reward": rewards.float()}, {"extras": extras})
+
+
+def load_scores(store: BatchStore, step: int, name: str = "scores") -> tuple[torch.Tensor, list[dict]]:
+    tensors, meta = store.read(step, name)
     return tensors["reward"], meta["extras"]
+
+
+@dataclass
+class ScoredStep:
+    """Everything the trainer needs about one step: all rollout rounds, concatenated."""
+
+    batch: RolloutBatch
+    rewards: torch.Tensor  # [B]
+    baseline_rewards: torch.Tensor | None  # [B] (ReMax), aligned with batch rows
+
+
+def load_step(store: BatchStore, step: int, parts: int = 1) -> ScoredStep:
+    # Padding positions are masked out everywhere, so any valid id (0) can fill them.
+    batches = [RolloutBatch.load(store, step, part_name("rollout", p)) for p in range(parts)]
+    rewards = torch.cat([load_scores(store, step, part_name("scores", p))[0] for p in range(parts)])
+    batch = RolloutBatch.concat(batches, pad_id=0)
+    baseline = None
+    if store.has(step, part_name("baseline-scores", 0)):
+        by_prompt: dict[int, float] = {}
+        for p in range(parts):
+            base = RolloutBatch.load(store, step, part_name("baseline", p))
+            scores, _ = load_scores(store, step, part_name("baseline-scores", p))
+            by_prompt.update(zip(base.prompt_index.tolist(), scores.tolist()))
+        baseline = torch.tensor([by_prompt[i] for i in batch.prompt_index.tolist()])
+    return ScoredStep(batch=batch, rewards=rewards, baseline_rewards=baseline)

@@ -1,13 +1,18 @@
-"""One RL update of the policy on a scored rollout batch, in plain torch.
+"""One RL update of the policy on a scored step, in plain torch.
 
 Reading order is the algorithm's order:
-1. advantages from the sequence rewards (registered estimator, over the whole batch so
-   groups stay intact);
+1. sequence rewards, with DAPO's soft overlong penalty; with dynamic sampling, the groups
+   whose rewards all agree are dropped (their tokens leave the mask and the normaliser);
 2. this rank's rows; normalisers counted over the *global* batch;
-3. old log-probs (the policy before the update) and, when the KL term is on, the
-   reference policy's log-probs, both without gradients;
-4. `ppo_epochs` passes of micro-batched forward/backward: policy loss + KL - entropy,
-   each aggregated by the registered mode; gradient clipping; one optimizer step per pass.
+3. without gradients: the policy's log-probs before the update ("old"/proximal) and, when
+   the KL term is on, the reference policy's; gathered over ranks where the whole batch
+   needs them (KL in the reward);
+4. advantages over the whole batch, so groups and whitening see every sample;
+5. the off-policy correction: per-token weights and a mask from old vs rollout log-probs;
+6. `ppo_epochs` passes of micro-batched forward/backward: policy loss (times the
+   correction weights) + KL - entropy, each aggregated by the registered mode; gradient
+   clipping; one optimizer step per pass;
+7. the KL controller's new coefficient, returned so the workflow can carry it durably.
 
 With world size > 1 the model is sharded with FSDP2; FSDP averages gradients over ranks,
 so each rank's loss is multiplied by the world size to get the sum the global normaliser
@@ -28,16 +33,21 @@ from ratchet.algorithms import (
     ADV_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
+    AdaptiveKLController,
     AdvInputs,
     AdvParams,
     LossParams,
     Normaliser,
+    apply_kl_in_reward,
+    dynamic_sampling_keep,
     kl_penalty,
+    off_policy_correction,
+    overlong_penalty,
     sequence_rewards_to_tokens,
 )
 from ratchet.config.schema import RunConfig
 
-from .batch import RolloutBatch
+from .batch import RolloutBatch, ScoredStep
 
 
 def response_logits(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> torch.Tensor:
@@ -59,12 +69,26 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def keep_informative_groups(rewards: torch.Tensor, group: torch.Tensor, max_groups: int) -> torch.Tensor:
+    """DAPO dynamic sampling: rows of the first `max_groups` groups whose rewards differ."""
+    keep = dynamic_sampling_keep(rewards, group)
+    kept_groups: list[int] = []
+    for g in group[keep].tolist():
+        if g not in kept_groups and len(kept_groups) < max_groups:
+            kept_groups.append(g)
+    return torch.isin(group, torch.tensor(kept_groups, dtype=group.dtype)) & keep
+
+
 @dataclass
 class MetricSums:
-    """Numerators and denominators summed over ranks, so metrics are global, not rank 0's."""
+    """Numerators summed over ranks and divided by the global token count, so metrics are
+    global, not rank 0's."""
 
     values: dict[str, float]
     tokens: float = 0.0
+
+    def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
+        self.values[name] = self.values.get(name, 0.0) + (per_token.detach() * mask).sum().item()
 
     def reduce(self, world_size: int) -> dict[str, float]:
         names = sorted(self.values)
@@ -73,6 +97,14 @@ class MetricSums:
             dist.all_reduce(t)
         total_tokens = max(t[-1].item(), 1.0)
         return {n: t[i].item() / total_tokens for i, n in enumerate(names)}
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    kl_coef: float
+    advantages: torch.Tensor  # [B, R], for the record and the critic
+    returns: torch.Tensor  # [B, R], the critic's targets
 
 
 class PolicyTrainer:
@@ -100,13 +132,12 @@ class PolicyTrainer:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (self.world_size,))
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-        if self.reference is not None:
-            for layer in self.reference.model.layers:
+        for model in (self.model, self.reference):
+            if model is None:
+                continue
+            for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)
-            fully_shard(self.reference, mesh=mesh)
+            fully_shard(model, mesh=mesh)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.full_state().values())
@@ -124,63 +155,107 @@ class PolicyTrainer:
         # numpy arrays move through Ray's object store 2-3x faster than torch tensors.
         return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in self.full_state().items()}
 
-    def _micro_batches(self, shard: RolloutBatch) -> list[RolloutBatch]:
+    def _micro_batches(self, shard: RolloutBatch) -> list[slice]:
         size = self.cfg.trainer.micro_batch_size
-        count = math.ceil(len(shard) / size)
-        return [shard.select(slice(i * size, (i + 1) * size)) for i in range(count)]
+        return [slice(i * size, (i + 1) * size) for i in range(math.ceil(len(shard) / size))]
 
-    def train_step(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
-        alg, temperature = self.cfg.algorithm, self.cfg.rollout.temperature
-        estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
-        inputs = AdvInputs(sequence_rewards_to_tokens(rewards, batch.response_mask), batch.response_mask, batch.prompt_index)
-        advantages = estimator.fn(inputs, AdvParams(norm_adv_by_std=alg.norm_adv_by_std)).advantages
-        norm = Normaliser(
-            tokens=batch.response_mask.sum().item(),
-            sequences=float(len(batch)),
-            max_response_length=self.cfg.rollout.max_response_length,
-        )
+    def _gather_rows(self, local: torch.Tensor, total_rows: int) -> torch.Tensor:
+        """Rank r holds global rows r, r + W, r + 2W, ...; rebuild the [B, ...] tensor on every rank."""
+        if self.world_size == 1:
+            return local
+        out = torch.empty((self.world_size, *local.shape), dtype=local.dtype)
+        dist.all_gather_into_tensor(out, local.contiguous())
+        return out.transpose(0, 1).reshape(total_rows, *local.shape[1:])
+
+    def _global_normaliser(self, loss_mask: torch.Tensor) -> Normaliser:
+        """Tokens and sequences that carry loss, over every rank: corrections that mask
+        tokens out (decoupled, rejection) and dropped groups leave the denominator too."""
+        counts = torch.tensor([loss_mask.sum().item(), (loss_mask.sum(-1) > 0).sum().item()], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+        return Normaliser(tokens=counts[0].item(), sequences=counts[1].item(), max_response_length=self.cfg.rollout.max_response_length)
+
+    @torch.no_grad()
+    def _logprobs(self, model, shard: RolloutBatch, micro: list[slice]) -> torch.Tensor:
+        t = self.cfg.rollout.temperature
+        return torch.cat([token_logprobs(response_logits(model, shard.select(s), t), shard.response_ids[s]) for s in micro])
+
+    def train_step(self, data: ScoredStep, *, kl_coef: float, values: torch.Tensor | None = None) -> StepResult:
+        alg, batch = self.cfg.algorithm, data.batch
+        # 1. rewards, overlong penalty, dynamic sampling
+        rewards = data.rewards.float()
+        lengths = batch.response_mask.sum(-1)
+        if alg.overlong.buffer_len > 0:
+            rewards = rewards + overlong_penalty(
+                lengths, self.cfg.rollout.max_response_length, alg.overlong.buffer_len, alg.overlong.penalty_factor
+            )
+        kept = torch.ones(len(batch), dtype=torch.bool)
+        if alg.dynamic_sampling:
+            kept = keep_informative_groups(rewards, batch.prompt_index, self.cfg.loop.prompts_per_step)
+        mask = batch.response_mask * kept.unsqueeze(-1)
+        # 2. this rank's rows
         rows = torch.arange(self.rank, len(batch), self.world_size)
-        shard = batch.select(rows)
-        shard_adv = advantages[rows]
+        shard, shard_mask = batch.select(rows), mask[rows]
         micro = self._micro_batches(shard)
-        offsets = np.cumsum([0] + [len(m) for m in micro])
-        old_logprobs, ref_logprobs = [], []
-        with torch.no_grad():
-            self.model.eval()
-            for m in micro:
-                old_logprobs.append(token_logprobs(response_logits(self.model, m, temperature), m.response_ids))
-                if self.reference is not None:
-                    ref_logprobs.append(token_logprobs(response_logits(self.reference, m, temperature), m.response_ids))
-        self.model.train()
-        policy_loss_fn = POLICY_LOSSES.get(alg.policy_loss)
+        # 3. old (proximal) and reference log-probs
+        self.model.eval()
+        old = self._logprobs(self.model, shard, micro)
+        ref = self._logprobs(self.reference, shard, micro) if self.reference is not None else None
+        # 4. advantages over the whole batch
+        token_rewards = sequence_rewards_to_tokens(rewards, mask)
+        kl_in_reward = 0.0
+        if alg.kl.in_reward and ref is not None:
+            full_old, full_ref = self._gather_rows(old, len(batch)), self._gather_rows(ref, len(batch))
+            token_rewards, mean_kl = apply_kl_in_reward(token_rewards, full_old, full_ref, mask, kl_coef, alg.kl.type)
+            kl_in_reward = float(mean_kl)
+        estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
+        adv_out = estimator.fn(
+            AdvInputs(token_rewards, mask, batch.prompt_index, values=values, baseline_rewards=data.baseline_rewards),
+            AdvParams(norm_adv_by_std=alg.norm_adv_by_std, gamma=alg.gamma, lam=alg.lam),
+        )
+        shard_adv = adv_out.advantages[rows]
+        # 5. off-policy correction
+        correction = off_policy_correction(
+            alg.off_policy.mode,
+            old_logprob=old,
+            rollout_logprob=shard.rollout_logprobs,
+            mask=shard_mask,
+            cap=alg.off_policy.cap,
+            level=alg.off_policy.level,
+        )
+        if correction.use_rollout_as_old:
+            old = shard.rollout_logprobs
+        loss_mask = shard_mask * correction.mask
+        norm = self._global_normaliser(loss_mask)
+        # 6. the update
+        loss_fn = POLICY_LOSSES.get(alg.policy_loss)
         aggregate = LOSS_AGGREGATIONS.get(alg.loss_agg_mode)
-        loss_params = LossParams(alg.clip_ratio_low, alg.clip_ratio_high)
-        sums = MetricSums(values={"pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "logprob_diff": 0.0})
+        params = LossParams(clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c)
+        sums = MetricSums(values={})
         grad_norms = []
+        self.model.train()
         for _ in range(self.cfg.trainer.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            for i, m in enumerate(micro):
-                mask = m.response_mask
-                logits = response_logits(self.model, m, temperature)
+            for s in micro:
+                m, mm = shard.select(s), loss_mask[s]
+                logits = response_logits(self.model, m, self.cfg.rollout.temperature)
                 logprob = token_logprobs(logits, m.response_ids)
-                adv = shard_adv[offsets[i] : offsets[i + 1]]
-                out = policy_loss_fn(logprob, old_logprobs[i], adv, mask, loss_params)
-                loss = aggregate(out.loss, mask, norm)
+                out = loss_fn(logprob, old[s], shard_adv[s], mm, params)
+                loss = aggregate(out.loss * correction.weights[s], mm, norm)
                 entropy = token_entropy(logits)
                 if alg.entropy_coeff > 0:
-                    loss = loss - alg.entropy_coeff * aggregate(entropy, mask, norm)
-                kl = torch.zeros_like(logprob)
-                if self.reference is not None:
-                    kl = kl_penalty(alg.kl.type, logprob, ref_logprobs[i])
-                    loss = loss + alg.kl.coef * aggregate(kl, mask, norm)
+                    loss = loss - alg.entropy_coeff * aggregate(entropy, mm, norm)
+                if ref is not None:
+                    kl = kl_penalty(alg.kl.type, logprob, ref[s])
+                    if not alg.kl.in_reward:
+                        loss = loss + kl_coef * aggregate(kl, mm, norm)
+                    sums.add("kl", kl, mm)
                 (loss * self.world_size).backward()
-                with torch.no_grad():
-                    sums.values["pg_loss"] += (out.loss * mask).sum().item()
-                    sums.values["kl"] += (kl * mask).sum().item()
-                    sums.values["entropy"] += (entropy * mask).sum().item()
-                    sums.values["clip_frac"] += (out.clipped.float() * mask).sum().item()
-                    sums.values["logprob_diff"] += ((logprob - m.rollout_logprobs).abs() * mask).sum().item()
-                    sums.tokens += mask.sum().item()
+                sums.add("pg_loss", out.loss, mm)
+                sums.add("entropy", entropy, mm)
+                sums.add("clip_frac", out.clipped.float(), mm)
+                sums.add("logprob_diff", (logprob - m.rollout_logprobs).abs(), mm)
+                sums.tokens += mm.sum().item()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
@@ -188,7 +263,20 @@ class PolicyTrainer:
             self.optimizer.step()
         self.version += 1
         metrics = sums.reduce(self.world_size)
-        metrics["grad_norm"] = float(np.mean(grad_norms))
-        metrics["adv_abs_mean"] = (advantages.abs().sum() / batch.response_mask.sum().clamp(min=1)).item()
-        metrics["response_length"] = batch.response_mask.sum(-1).float().mean().item()
-        return metrics
+        # 7. the KL controller
+        new_coef = kl_coef
+        if alg.kl.target is not None and ref is not None:
+            controller = AdaptiveKLController(init_coef=kl_coef, target=alg.kl.target, horizon=alg.kl.horizon)
+            controller.update(kl_in_reward if alg.kl.in_reward else metrics.get("kl", 0.0), n_steps=len(batch))
+            new_coef = controller.coef
+        metrics.update(
+            grad_norm=float(np.mean(grad_norms)),
+            adv_abs_mean=(adv_out.advantages.abs().sum() / mask.sum().clamp(min=1)).item(),
+            response_length=lengths.float().mean().item(),
+            kl_coef=kl_coef,
+            kept_fraction=kept.float().mean().item(),
+            **{f"off_policy/{k}": v for k, v in correction.metrics.items()},
+        )
+        if alg.kl.in_reward:
+            metrics["kl_in_reward"] = kl_in_reward
+        return StepResult(metrics=metrics, kl_coef=new_coef, advantages=adv_out.advantages, returns=adv_out.returns)

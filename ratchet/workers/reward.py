@@ -1,18 +1,21 @@
-"""Reward worker (a Ray actor): scores a stored batch with the configured function and
-writes the rewards next to it."""
+"""Reward worker (a Ray actor): scores a stored batch with the configured rule-based
+function and/or reward model, and writes the rewards next to the batch."""
 
 from __future__ import annotations
 
 import time
 
+import torch
+
+from ratchet.algorithms import dynamic_sampling_keep
 from ratchet.config.schema import RunConfig
 from ratchet.storage import BatchStore, ObjectStore
 from ratchet.tasks.loading import load_reward_fn
 
-from .batch import RolloutBatch, save_scores
+from .batch import RolloutBatch, part_name, save_scores
 from .hf_io import local_hf_path
 from .runtime import configure_worker_process
-from .scoring import score_batch
+from .scoring import RewardModelScorer, score_batch
 
 
 class RewardWorker:
@@ -20,19 +23,43 @@ class RewardWorker:
         from transformers import AutoTokenizer
 
         configure_worker_process(cfg.resources.torch_threads)
-        self.reward_fn = load_reward_fn(cfg.reward.function)
+        r = cfg.reward
+        self.cfg = r
+        self.reward_fn = load_reward_fn(r.function) if r.function else None
+        self.reward_model = RewardModelScorer(r.model_path) if r.model_path else None
         self.tokenizer = AutoTokenizer.from_pretrained(local_hf_path(tokenizer_path))
         self.run = ObjectStore(run_uri)
 
-    def score(self, step: int, kind: str = "batches") -> dict:
+    def _rewards(self, batch: RolloutBatch) -> tuple[torch.Tensor, list[dict]]:
+        """function_weight * rule score + model_weight * reward-model score."""
+        total = torch.zeros(len(batch))
+        extras: list[dict] = [{} for _ in range(len(batch))]
+        if self.reward_fn is not None:
+            rule, rule_extras = score_batch(batch, self.tokenizer, self.reward_fn)
+            total += self.cfg.function_weight * rule
+            extras = [{**e, "rule_score": float(s)} for e, s in zip(rule_extras, rule)]
+        if self.reward_model is not None:
+            rm = self.reward_model.score(batch, self.tokenizer)
+            total += self.cfg.model_weight * rm
+            extras = [{**e, "rm_score": float(s)} for e, s in zip(extras, rm)]
+        return total, extras
+
+    def score(self, step: int, kind: str = "batches", part: int = 0) -> dict:
         t0 = time.perf_counter()
         store = BatchStore(self.run, kind)
-        batch = RolloutBatch.load(store, step)
-        rewards, extras = score_batch(batch, self.tokenizer, self.reward_fn)
-        save_scores(store, step, rewards, extras)
+        batch = RolloutBatch.load(store, step, part_name("rollout", part))
+        rewards, extras = self._rewards(batch)
+        save_scores(store, step, rewards, extras, part_name("scores", part))
+        baseline_name = part_name("baseline", part)
+        if store.has(step, baseline_name):  # ReMax: the greedy baseline responses
+            base_rewards, base_extras = self._rewards(RolloutBatch.load(store, step, baseline_name))
+            save_scores(store, step, base_rewards, base_extras, part_name("baseline-scores", part))
+        keep = dynamic_sampling_keep(rewards, batch.prompt_index)
         return {
             "reward_mean": float(rewards.mean().item()),
             "reward_std": float(rewards.std().item()) if len(rewards) > 1 else 0.0,
             "num_samples": len(rewards),
+            # Groups whose rewards differ: the ones that teach GRPO-style estimators something.
+            "informative_groups": int(torch.unique(batch.prompt_index[keep]).numel()),
             "seconds": time.perf_counter() - t0,
         }

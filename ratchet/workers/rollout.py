@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Mapping
 
 import numpy as np
 
+from ratchet.algorithms import ADV_ESTIMATORS
 from ratchet.config.schema import RunConfig
 from ratchet.storage import BatchStore, ObjectStore
 
+from .batch import part_name
 from .engines import ENGINES, SamplingParams
 from .hf_io import local_hf_path
 from .prompts import PromptSet
@@ -34,6 +37,7 @@ class RolloutWorker:
         )
         self.run = ObjectStore(run_uri)
         self.version = 0
+        self.needs_baseline = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).needs_baseline
 
     def policy_version(self) -> int:
         return self.version
@@ -41,7 +45,7 @@ class RolloutWorker:
     def num_prompts(self) -> int:
         return len(self.train)
 
-    def generate(self, step: int, prompt_start: int, prompt_count: int, policy_version: int) -> dict:
+    def generate(self, step: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0) -> dict:
         if policy_version != self.version:
             raise RuntimeError(f"rollout worker holds policy v{self.version}, asked for v{policy_version}")
         r = self.cfg.rollout
@@ -51,13 +55,19 @@ class RolloutWorker:
             top_p=r.top_p,
             max_new_tokens=r.max_response_length,
             # Seeded per (run seed, step): a retried rollout produces the same samples.
-            seed=self.cfg.seed * 1_000_003 + step,
+            seed=(self.cfg.seed * 1_000_003 + step) * 101 + part,
         )
         t0 = time.perf_counter()
+        store = BatchStore(self.run)
         indices = prompt_indices(prompt_start, prompt_count, len(self.train))
         batch = generate_batch(self.engine, self.train, indices, params, policy_version=self.version, pad_id=self.engine.pad_id)
+        if self.needs_baseline:
+            # ReMax: one greedy response per prompt, scored as the baseline of its group.
+            greedy = replace(params, n=1, greedy=True)
+            baseline = generate_batch(self.engine, self.train, indices, greedy, policy_version=self.version, pad_id=self.engine.pad_id)
+            baseline.save(store, step, part_name("baseline", part))
         seconds = time.perf_counter() - t0
-        uri = batch.save(BatchStore(self.run), step)
+        uri = batch.save(store, step, part_name("rollout", part))
         lengths = batch.response_mask.sum(-1)
         return {
             "uri": uri,

@@ -13,7 +13,7 @@ import numpy as np
 from ratchet.config.schema import RunConfig
 from ratchet.storage import BatchStore, ObjectStore
 
-from .batch import RolloutBatch, load_scores
+from .batch import load_step
 from .hf_io import local_hf_path, save_hf
 from .policy_update import PolicyTrainer
 from .runtime import configure_worker_process
@@ -32,6 +32,7 @@ class TrainerWorker:
         self.policy_path = local_hf_path(policy_path)
         self.run = ObjectStore(run_uri)
         self.trainer: PolicyTrainer | None = None
+        self._last = None  # ((step, version it trained), StepResult) of the latest update
 
     def rendezvous_port(self) -> int:
         return free_port()
@@ -49,16 +50,24 @@ class TrainerWorker:
     def policy_version(self) -> int:
         return self.trainer.version
 
-    def train(self, step: int, policy_version: int) -> dict:
-        if policy_version != self.trainer.version:
-            raise RuntimeError(f"trainer holds policy v{self.trainer.version}, asked to train v{policy_version}")
+    def train(self, step: int, policy_version: int, kl_coef: float, parts: int = 1) -> dict:
+        """Update policy v`policy_version` on `step`. A retried activity whose first attempt
+        already updated the policy gets that update's result instead of a second update."""
         t0 = time.perf_counter()
         store = BatchStore(self.run)
-        batch = RolloutBatch.load(store, step)
-        rewards, _ = load_scores(store, step)
-        metrics = self.trainer.train_step(batch, rewards)
-        metrics["train_seconds"] = time.perf_counter() - t0
-        return {"policy_version": self.trainer.version, "metrics": metrics}
+        if self._last is not None and self._last[0] == (step, policy_version) and self.trainer.version == policy_version + 1:
+            result = self._last[1]
+        else:
+            if policy_version != self.trainer.version:
+                raise RuntimeError(f"trainer holds policy v{self.trainer.version}, asked to train v{policy_version}")
+            data = load_step(store, step, parts)
+            values = store.read(step, "values")[0]["values"] if store.has(step, "values") else None
+            result = self.trainer.train_step(data, kl_coef=kl_coef, values=values)
+            self._last = ((step, policy_version), result)
+        if self.rank == 0:
+            store.write(step, "advantages", {"advantages": result.advantages, "returns": result.returns}, {})
+        result.metrics["train_seconds"] = time.perf_counter() - t0
+        return {"policy_version": self.trainer.version, "metrics": result.metrics, "kl_coef": result.kl_coef}
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """Full weights on rank 0 (every rank must call: unsharding is a collective)."""

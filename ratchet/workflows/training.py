@@ -150,7 +150,13 @@ class TrainingWorkflow:
         prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config), PrepareOutput)
         warm: WarmupOutput = await self._call("warmup", WarmupInput(prep.run), WarmupOutput)
         await self._call("start_workers", StartWorkersInput(prep.run, warm.policy_uri), StartWorkersOutput)
-        state = RunState(run=prep.run, policy_uri=warm.policy_uri, warmup_loss_first=warm.loss_first, warmup_loss_last=warm.loss_last)
+        state = RunState(
+            run=prep.run,
+            policy_uri=warm.policy_uri,
+            kl_coef=start.plan.kl_coef,
+            warmup_loss_first=warm.loss_first,
+            warmup_loss_last=warm.loss_last,
+        )
         self._state = state
         if start.plan.evaluate:
             await self._evaluate(state, 0)
@@ -160,36 +166,58 @@ class TrainingWorkflow:
         out: EvalOutput = await self._call("evaluate", EvalInput(state.run, step, state.policy_version), EvalOutput)
         state.eval_rewards[str(step)] = out.reward_mean
 
+    async def _rollout(self, state: RunState, plan: LoopPlan, step: int) -> list[tuple[BatchRef, ScoreOutput]]:
+        """Generate and score one round of prompts; with dynamic sampling, more rounds until
+        enough groups carry signal (or the round budget is spent)."""
+        rounds: list[tuple[BatchRef, ScoreOutput]] = []
+        informative = 0
+        for part in range(plan.sampling_rounds):
+            batch: BatchRef = await self._call(
+                "generate",
+                RolloutInput(
+                    run=state.run,
+                    step=step,
+                    prompt_start=state.next_prompt,
+                    prompt_count=plan.prompts_per_step,
+                    policy_version=state.policy_version,
+                    part=part,
+                ),
+                BatchRef,
+            )
+            state.next_prompt += plan.prompts_per_step
+            scored: ScoreOutput = await self._call("score", ScoreInput(state.run, batch), ScoreOutput)
+            rounds.append((batch, scored))
+            informative += scored.informative_groups
+            if informative >= plan.prompts_per_step:
+                break
+        return rounds
+
     async def _step(self, state: RunState, plan: LoopPlan) -> None:
         step = state.next_step
-        batch: BatchRef = await self._call(
-            "generate",
-            RolloutInput(
-                run=state.run,
-                step=step,
-                prompt_start=step * plan.prompts_per_step,
-                prompt_count=plan.prompts_per_step,
-                policy_version=state.policy_version,
-            ),
-            BatchRef,
+        rounds = await self._rollout(state, plan, step)
+        first = rounds[0][0]
+        trained: TrainOutput = await self._call(
+            "train", TrainInput(state.run, first, state.policy_version, kl_coef=state.kl_coef, parts=len(rounds)), TrainOutput
         )
-        scored: ScoreOutput = await self._call("score", ScoreInput(state.run, batch), ScoreOutput)
-        trained: TrainOutput = await self._call("train", TrainInput(state.run, batch, state.policy_version), TrainOutput)
         synced: SyncOutput = await self._call("sync_weights", SyncInput(state.run, trained.policy_version), SyncOutput)
 
+        samples = sum(b.num_samples for b, _ in rounds)
+        reward_mean = sum(s.reward_mean * b.num_samples for b, s in rounds) / samples
+        gen_seconds = sum(b.generate_seconds for b, _ in rounds)
         state.policy_version = trained.policy_version
-        state.rewards.append(scored.reward_mean)
+        state.kl_coef = trained.kl_coef
+        state.rewards.append(reward_mean)
         state.next_step = step + 1
-        gen_s = max(batch.generate_seconds, 1e-9)
-        self._tokens_per_second = batch.num_response_tokens / gen_s
+        self._tokens_per_second = sum(b.num_response_tokens for b, _ in rounds) / max(gen_seconds, 1e-9)
         metrics = {
-            "reward_mean": scored.reward_mean,
-            "reward_std": scored.reward_std,
-            "response_length": batch.response_length_mean,
+            "reward_mean": reward_mean,
+            "reward_std": rounds[0][1].reward_std,
+            "response_length": sum(b.response_length_mean * b.num_samples for b, _ in rounds) / samples,
             "tokens_per_second": self._tokens_per_second,
             "policy_version": float(state.policy_version),
-            "generate_seconds": batch.generate_seconds,
-            "score_seconds": scored.seconds,
+            "rollout_rounds": float(len(rounds)),
+            "generate_seconds": gen_seconds,
+            "score_seconds": sum(s.seconds for _, s in rounds),
             "train_seconds": trained.seconds,
             "sync_seconds": synced.seconds,
             "sync_megabytes": synced.megabytes,

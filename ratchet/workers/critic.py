@@ -1,0 +1,119 @@
+"""The critic for PPO with GAE: a value head on a causal-LM backbone, and its Ray actor.
+
+The value of a response token is read at the position that predicts it (the same
+alignment as the policy's logits), so `values[:, t]` estimates the return from response
+token t on. The critic stores its values next to the batch (`values`), the trainer turns
+them into advantages and returns (`advantages`), and the critic then fits the returns with
+the clipped value loss.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ratchet.algorithms import masked_mean, value_clipped, value_loss
+from ratchet.config.schema import RunConfig
+from ratchet.storage import BatchStore, ObjectStore
+
+from .batch import RolloutBatch, load_step
+from .hf_io import local_hf_path
+from .runtime import configure_worker_process
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, backbone_path: str):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        lm = AutoModelForCausalLM.from_pretrained(backbone_path)
+        self.backbone = lm.get_decoder()
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
+        # Start from V = 0: early advantages are then plain returns, not noise.
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def response_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, R] values of the response tokens."""
+        mask = batch.attention_mask
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = self.backbone(input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        p, r = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+        return self.value_head(hidden[:, p - 1 : p - 1 + r]).squeeze(-1).float() * batch.response_mask
+
+
+class CriticTrainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg.critic
+        torch.manual_seed(cfg.seed)
+        self.model = ValueModel(local_hf_path(cfg.critic.model_path or cfg.model.path))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
+        self.micro_batch_size = cfg.trainer.micro_batch_size
+        self.grad_clip = cfg.trainer.grad_clip
+
+    @torch.no_grad()
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        self.model.eval()
+        size = self.micro_batch_size
+        return torch.cat([self.model.response_values(batch.select(slice(i, i + size))) for i in range(0, len(batch), size)])
+
+    def update(self, batch: RolloutBatch, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+        self.model.train()
+        tokens = batch.response_mask.sum().clamp(min=1.0)
+        size = self.micro_batch_size
+        loss_sum = clipped_sum = 0.0
+        for _ in range(self.cfg.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for i in range(0, len(batch), size):
+                rows = slice(i, i + size)
+                m = batch.select(rows)
+                mask = m.response_mask
+                values = self.model.response_values(m)
+                args = (values, old_values[rows], returns[rows], mask, self.cfg.cliprange_value)
+                loss = value_loss(*args)
+                # Token-mean over the whole batch: micro-batching does not change the gradient.
+                (loss.sum() / tokens).backward()
+                loss_sum += loss.sum().item()
+                clipped_sum += value_clipped(*args).float().sum().item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+        denom = tokens.item() * self.cfg.ppo_epochs
+        return {
+            "vf_loss": loss_sum / denom,
+            "vf_clip_frac": clipped_sum / denom,
+            "vf_grad_norm": float(grad_norm),
+            "values_mean": masked_mean(old_values, batch.response_mask).item(),
+            "returns_mean": masked_mean(returns, batch.response_mask).item(),
+        }
+
+
+class CriticWorker:
+    """Ray actor around `CriticTrainer`, reading and writing the batch store."""
+
+    def __init__(self, cfg: RunConfig, run_uri: str):
+        configure_worker_process(cfg.resources.torch_threads)
+        self.trainer = CriticTrainer(cfg)
+        self.run = ObjectStore(run_uri)
+        # A retried train activity must not fit the critic twice on one step.
+        self._updated: tuple[int, dict[str, float]] | None = None
+
+    def compute_values(self, step: int, parts: int) -> str:
+        store = BatchStore(self.run)
+        if self._updated is not None and self._updated[0] >= step:
+            return self.run.uri(f"{store.step_key(step)}/values.safetensors")  # kept: these values trained the policy
+        batch = load_step(store, step, parts).batch
+        return store.write(step, "values", {"values": self.trainer.values(batch)}, {})
+
+    def update(self, step: int, parts: int) -> dict[str, float]:
+        if self._updated is not None and self._updated[0] == step:
+            return self._updated[1]
+        t0 = time.perf_counter()
+        store = BatchStore(self.run)
+        batch = load_step(store, step, parts).batch
+        old_values = store.read(step, "values")[0]["values"]
+        returns = store.read(step, "advantages")[0]["returns"]
+        metrics = self.trainer.update(batch, old_values, returns)
+        metrics["critic_seconds"] = time.perf_counter() - t0
+        self._updated = (step, metrics)
+        return metrics

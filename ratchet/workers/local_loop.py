@@ -1,0 +1,97 @@
+"""The same RL step as the workflow, in one process: no Temporal, no Ray, no storage.
+
+It calls the very pieces the Ray workers call (engine, reward scoring, `PolicyTrainer`,
+`CriticTrainer`), so benchmarks can measure the bare algorithm and compare estimators
+quickly. It is not durable and does no dynamic-sampling refills; use the workflow for
+real runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from ratchet.algorithms import ADV_ESTIMATORS
+from ratchet.config.schema import RunConfig
+from ratchet.tasks.loading import load_reward_fn
+
+from .batch import ScoredStep
+from .critic import CriticTrainer
+from .engines import HFEngine, SamplingParams
+from .policy_update import PolicyTrainer
+from .prompts import PromptSet
+from .rollout_batching import generate_batch, prompt_indices
+from .runtime import configure_worker_process
+from .scoring import score_batch
+
+
+class LocalLoop:
+    def __init__(self, cfg: RunConfig, policy_path: str | None = None):
+        configure_worker_process(cfg.resources.torch_threads)
+        path = policy_path or cfg.model.path
+        self.cfg = cfg
+        self.engine = HFEngine(path, dtype=cfg.model.dtype)
+        self.trainer = PolicyTrainer(path, cfg)
+        self.critic = CriticTrainer(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})) if cfg.uses_critic else None
+        d = cfg.data
+        self.prompts = PromptSet(d.train_files, self.engine.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length)
+        self.eval_prompts = (
+            PromptSet(d.eval_files, self.engine.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length)
+            if d.eval_files
+            else None
+        )
+        if cfg.reward.function is None:
+            raise ValueError("the local loop scores with reward.function only; set it")
+        self.reward_fn = load_reward_fn(cfg.reward.function)
+        self.needs_baseline = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).needs_baseline
+        self.kl_coef = cfg.algorithm.kl.coef
+
+    def _sampling(self, step: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_response_length, seed=self.cfg.seed * 1_000_003 + step)
+
+    def step(self, step: int) -> dict[str, float]:
+        """One step: generate, score, (values), train, (critic), sync. Returns metrics with phase seconds."""
+        t = [time.perf_counter()]
+        per = self.cfg.loop.prompts_per_step
+        indices = prompt_indices(step * per, per, len(self.prompts))
+        params = self._sampling(step)
+        pad = self.engine.pad_id
+        batch = generate_batch(self.engine, self.prompts, indices, params, policy_version=self.trainer.version, pad_id=pad)
+        baseline = None
+        if self.needs_baseline:
+            greedy = generate_batch(self.engine, self.prompts, indices, replace(params, n=1, greedy=True), policy_version=0, pad_id=pad)
+            base_scores, _ = score_batch(greedy, self.engine.tokenizer, self.reward_fn)
+            by_prompt = dict(zip(greedy.prompt_index.tolist(), base_scores.tolist()))
+            baseline = torch.tensor([by_prompt[i] for i in batch.prompt_index.tolist()])
+        t.append(time.perf_counter())
+        rewards, _ = score_batch(batch, self.engine.tokenizer, self.reward_fn)
+        t.append(time.perf_counter())
+        values = self.critic.values(batch) if self.critic else None
+        result = self.trainer.train_step(ScoredStep(batch, rewards, baseline), kl_coef=self.kl_coef, values=values)
+        self.kl_coef = result.kl_coef
+        metrics = dict(result.metrics)
+        if self.critic:
+            metrics.update(self.critic.update(batch, values, result.returns))
+        t.append(time.perf_counter())
+        self.engine.load_weights(self.trainer.state_numpy())
+        t.append(time.perf_counter())
+        metrics.update(
+            reward_mean=rewards.mean().item(),
+            generate_seconds=t[1] - t[0],
+            score_seconds=t[2] - t[1],
+            train_seconds=t[3] - t[2],
+            sync_seconds=t[4] - t[3],
+        )
+        return metrics
+
+    def evaluate(self, size: int | None = None) -> float:
+        """Mean greedy reward on the eval prompts."""
+        if self.eval_prompts is None:
+            raise ValueError("data.eval_files is not set")
+        n = min(size or self.cfg.data.eval_size, len(self.eval_prompts))
+        params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.rollout.max_response_length)
+        batch = generate_batch(self.engine, self.eval_prompts, list(range(n)), params, policy_version=0, pad_id=self.engine.pad_id)
+        return score_batch(batch, self.engine.tokenizer, self.reward_fn)[0].mean().item()
