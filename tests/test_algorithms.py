@@ -30,19 +30,11 @@ from ratchet.algorithms import (
 )
 from ratchet.algorithms.registry import Registry, decorator
 
+from .tensor_checks import close, lengths_mask
+
 torch.set_num_threads(1)
 
 EPS = 1e-6  # AdvParams.epsilon
-
-
-def close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
-    expected = torch.as_tensor(expected, dtype=actual.dtype)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
-
-
-def lengths_mask(lengths: list[int], width: int) -> torch.Tensor:
-    return torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths])
 
 
 # Two groups of different sizes, interleaved so the estimator must really group by id:

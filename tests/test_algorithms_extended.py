@@ -41,20 +41,12 @@ from ratchet.algorithms import (
     value_loss,
 )
 
+from .tensor_checks import close, lengths_mask
+
 torch.set_num_threads(1)
 
 WEPS = 1e-8  # masked_whiten adds this to the variance (verl)
 LN2, LN3, LN4, LN1_5 = math.log(2.0), math.log(3.0), math.log(4.0), math.log(1.5)
-
-
-def close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
-    expected = torch.as_tensor(expected, dtype=actual.dtype)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
-
-
-def lengths_mask(lengths: list[int], width: int) -> torch.Tensor:
-    return torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths])
 
 
 def finite(*tensors: torch.Tensor) -> bool:

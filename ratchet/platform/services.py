@@ -476,6 +476,23 @@ def _run_sync(coro_factory) -> Any:
         return ex.submit(lambda: asyncio.run(coro_factory())).result()
 
 
+def _spawn_logged(cmd: list[str], log_path: Path, cwd: Path, started_at: str, env: dict | None = None) -> subprocess.Popen:
+    """Start `cmd` detached, in a new session (its own process group), appending to `log_path`."""
+    with open(log_path, "ab") as log:
+        log.write(f"\n=== {started_at} ratchet: {' '.join(cmd)}\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            cwd=cwd,
+            env=env,
+        )
+
+
 def _temporal_probe(address: str, namespace: str, timeout: float) -> None:
     """Connect with the Temporal SDK and describe the namespace; raises on failure."""
 
@@ -513,18 +530,7 @@ def _start_temporal(settings: ServiceSettings) -> dict[str, Any]:
     if settings.namespace != "default":
         cmd += ["--namespace", settings.namespace]
     log_path = settings.temporal_log
-    with open(log_path, "ab") as log:
-        log.write(f"\n=== {_now()} ratchet: {' '.join(cmd)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            cwd=settings.state_dir,
-        )
+    proc = _spawn_logged(cmd, log_path, settings.state_dir, _now())
     _CHILDREN[proc.pid] = proc
     logger.info(
         "starting Temporal dev server (pid %s) on %s", proc.pid, temporal_address(settings)
@@ -692,20 +698,8 @@ def _start_ray(settings: ServiceSettings) -> dict[str, Any]:
     env.setdefault("RAY_AUTH_MODE", "disabled")
     log_path = settings.ray_log
     started_at = _now()
-    with open(log_path, "ab") as log:
-        log.write(f"\n=== {started_at} ratchet: {' '.join(cmd)}\n".encode())
-        log.flush()
-        # A new session: every Ray process started by `ray start` inherits its id.
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            cwd=settings.state_dir,
-            env=env,
-        )
+    # A new session: every Ray process started by `ray start` inherits its id.
+    proc = _spawn_logged(cmd, log_path, settings.state_dir, started_at, env=env)
     sid = proc.pid
     logger.info("starting Ray head (session %s) on %s", sid, ray_address(settings))
     rec: dict[str, Any] = {
