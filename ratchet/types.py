@@ -31,6 +31,18 @@ class LoopPlan:
     evaluate: bool = True  # False when the config has no eval data
     kl_coef: float = 0.0  # initial KL coefficient; the workflow carries the adapted one
     sampling_rounds: int = 1  # > 1 with DAPO dynamic sampling: rollout rounds allowed per step
+    mode: str = "sync"  # sync | one_step_off | fully_async
+    max_staleness: int = 1  # fully_async: most policy versions a trained sample may lag
+    queue_limit: int = 2  # fully_async: most batches generated ahead of the trainer
+    sync_every: int = 1  # fully_async: weight sync every this many updates
+
+
+@dataclass
+class ScoredBatch:
+    """One rollout round of a batch and its scores: what the trainer consumes."""
+
+    batch: BatchRef
+    score: ScoreOutput
 
 
 @dataclass
@@ -41,8 +53,16 @@ class RunState:
     policy_uri: str
     next_step: int = 0
     next_prompt: int = 0  # the prompt frontier: prompts before it have been rolled out
+    next_batch: int = 0  # index (storage key) of the next rollout batch
     policy_version: int = 0
+    rollout_version: int = 0  # policy version the rollout engine serves
     kl_coef: float = 0.0
+    # Rolled out and scored, not yet trained on (async modes), oldest first; each entry is
+    # the rounds of one batch.
+    ready: list[list[ScoredBatch]] = field(default_factory=list)
+    # Prompt ranges whose batch was too stale to train on: rolled out again before new ones.
+    retry_prompts: list[int] = field(default_factory=list)
+    dropped_samples: int = 0
     rewards: list[float] = field(default_factory=list)
     eval_rewards: dict[str, float] = field(default_factory=dict)
     warmup_loss_first: float = 0.0
@@ -117,6 +137,7 @@ class BatchRef:
     num_response_tokens: int
     policy_version: int
     part: int = 0
+    prompt_start: int = 0
     generate_seconds: float = 0.0
     response_length_mean: float = 0.0
 
@@ -211,6 +232,18 @@ class Progress:
     reward_mean: float | None = None
     tokens_per_second: float | None = None
     eval_rewards: dict[str, float] = field(default_factory=dict)
+    paused: bool = False
+    stopping: bool = False
+
+
+@dataclass
+class BatchStatus:
+    """One batch the `batches` query lists."""
+
+    index: int
+    state: str  # in_flight | ready
+    policy_version: int  # the version that generated it (or is generating it)
+    num_samples: int = 0
 
 
 @dataclass
@@ -227,3 +260,5 @@ class RunSummary:
     eval_rewards: dict[str, float]
     warmup_loss_first: float
     warmup_loss_last: float
+    stopped: bool = False  # ended early by the `stop` signal
+    dropped_samples: int = 0  # fully_async: samples too stale to train on (their prompts were redone)

@@ -110,6 +110,7 @@ def generate(inp: RolloutInput) -> BatchRef:
         num_response_tokens=out["num_response_tokens"],
         policy_version=inp.policy_version,
         part=inp.part,
+        prompt_start=inp.prompt_start,
         generate_seconds=out["generate_seconds"],
         response_length_mean=out["response_length_mean"],
     )

@@ -151,7 +151,14 @@ class WarmupConfig(Section):
 
 
 class LoopConfig(Section):
-    mode: Literal["sync"] = Field("sync", description="Training loop: sync (rollout, score, train, sync per step).")
+    mode: Literal["sync", "one_step_off", "fully_async"] = Field(
+        "sync",
+        description="sync: rollout, score, train, sync in order. one_step_off: batch n+1 is generated (weights of "
+        "step n) while step n trains. fully_async: rollouts run ahead of the trainer, within max_staleness.",
+    )
+    max_staleness: int = Field(1, ge=0, description="fully_async: most policy versions a sample may lag when trained on; staler batches are dropped and their prompts redone.")
+    queue_limit: int = Field(2, ge=1, description="fully_async: most batches generated ahead of the trainer (in flight + ready).")
+    sync_every: int = Field(1, ge=1, description="fully_async: sync weights to the rollout engines every this many updates.")
     steps: int = Field(20, ge=1, description="RL steps to run.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per rollout batch (samples = prompts * rollout.n).")
     eval_every: int = Field(0, ge=0, description="Greedy evaluation every this many steps (0: only before and after).")
@@ -210,6 +217,13 @@ class RunConfig(Section):
             raise ValueError(
                 f"rollout.n must be >= 2 for adv_estimator={self.algorithm.adv_estimator!r} "
                 "(a group baseline needs several samples per prompt)"
+            )
+        if self.loop.mode == "fully_async" and self.algorithm.dynamic_sampling:
+            raise ValueError("algorithm.dynamic_sampling needs loop.mode sync or one_step_off (fully_async batches are fixed-size)")
+        if self.loop.mode == "fully_async" and self.loop.sync_every > self.loop.max_staleness + 1:
+            raise ValueError(
+                f"loop.sync_every={self.loop.sync_every} > loop.max_staleness + 1 = {self.loop.max_staleness + 1}: "
+                "every batch would be too stale to train on"
             )
         if self.algorithm.kl.target is not None and self.algorithm.kl.coef == 0:
             raise ValueError("algorithm.kl.coef must be > 0 when algorithm.kl.target is set (the adaptive controller scales it)")

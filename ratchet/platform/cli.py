@@ -158,6 +158,44 @@ def train(
     _flush_and_exit(0)
 
 
+def _signal(run_id: str, what: str) -> None:
+    from .client import Client
+
+    getattr(Client.connect().get(run_id), what)()
+    console.print(f"{what}: sent to {run_id}")
+    _flush_and_exit(0)
+
+
+@app.command()
+def pause(run_id: str) -> None:
+    """Pause RUN_ID at its next step boundary."""
+    _signal(run_id, "pause")
+
+
+@app.command()
+def resume(run_id: str) -> None:
+    """Resume a paused run."""
+    _signal(run_id, "resume")
+
+
+@app.command()
+def stop(run_id: str) -> None:
+    """Stop RUN_ID at its next step boundary (it exports its policy and completes)."""
+    _signal(run_id, "stop")
+
+
+@app.command()
+def progress(run_id: str) -> None:
+    """Show a run's progress and its in-flight and ready batches."""
+    from dataclasses import asdict
+
+    from .client import Client
+
+    handle = Client.connect().get(run_id)
+    console.print_json(json.dumps({"progress": asdict(handle.progress()), "batches": [asdict(b) for b in handle.batches()]}))
+    _flush_and_exit(0)
+
+
 @app.command()
 def demo(
     overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides of the demo recipe, e.g. loop.steps=30."),

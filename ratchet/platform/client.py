@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ratchet.types import TASK_QUEUE, LoopPlan, Progress, RunSummary, TrainingInput
+from ratchet.types import TASK_QUEUE, BatchStatus, LoopPlan, Progress, RunSummary, TrainingInput
 
 WORKFLOW = "TrainingWorkflow"
 # The demo recipe, in a source checkout.
@@ -39,6 +39,10 @@ def loop_plan(cfg) -> LoopPlan:
         evaluate=cfg.data.eval_files is not None,
         kl_coef=cfg.algorithm.kl.coef,
         sampling_rounds=cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
+        mode=cfg.loop.mode,
+        max_staleness=cfg.loop.max_staleness,
+        queue_limit=cfg.loop.queue_limit,
+        sync_every=cfg.loop.sync_every,
     )
 
 
@@ -78,6 +82,21 @@ class RunHandle:
     def status(self) -> str:
         desc = self.client._run(self._handle().describe())
         return desc.status.name if desc.status else "UNKNOWN"
+
+    def pause(self) -> None:
+        """Pause at the next step boundary (in-flight work finishes first)."""
+        self.client._run(self._handle().signal("pause"))
+
+    def resume(self) -> None:
+        self.client._run(self._handle().signal("resume"))
+
+    def stop(self) -> None:
+        """End the run at the next step boundary; it exports the policy and completes."""
+        self.client._run(self._handle().signal("stop"))
+
+    def batches(self) -> list[BatchStatus]:
+        """Batches in flight and ready, with the policy version of each."""
+        return self.client._run(self._handle().query("batches", result_type=list[BatchStatus]))
 
     def cancel(self) -> None:
         self.client._run(self._handle().cancel())

@@ -1,13 +1,24 @@
-"""The training workflow, mode `sync`: per step rollout, score, train, sync, in order.
+"""The training workflow: warm-up, then RL steps in one of three loop modes.
+
+- `sync`: per step rollout, score, train, sync, in order (the on-policy baseline).
+- `one_step_off`: batch n+1 is generated with the weights of step n while step n trains;
+  the new weights are synced before the rollout after it starts.
+- `fully_async`: a producer keeps rollouts running ahead of the trainer; a batch starts only
+  if it will be at most `max_staleness` versions old when trained, the trainer takes ready
+  batches oldest first, drops (and redoes) any that are staler, and weights sync every
+  `sync_every` updates.
 
 The workflow is the controller with the global view (HybridFlow): it owns the run state
-(step, policy version, prompt frontier) and tells workers what to do; the workers are
-caches of that state. Everything here is deterministic (DESIGN.md, rule 8): no torch, no
-Ray, no clocks; activities are called by name with dataclasses from `ratchet.types`.
+(step, policy versions, prompt frontier, ready batches) and tells workers what to do; the
+workers are caches of that state. Everything here is deterministic (DESIGN.md, rule 8):
+no torch, no Ray, no clocks but `workflow.now()`; activities are called by name with
+dataclasses from `ratchet.types`. `pause`, `resume` and `stop` take effect at a step
+boundary in every mode.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -16,6 +27,7 @@ from temporalio.common import RetryPolicy
 
 from ratchet.types import (
     BatchRef,
+    BatchStatus,
     EvalInput,
     EvalOutput,
     FinishInput,
@@ -27,6 +39,7 @@ from ratchet.types import (
     RolloutInput,
     RunState,
     RunSummary,
+    ScoredBatch,
     ScoreInput,
     ScoreOutput,
     StartWorkersInput,
@@ -50,8 +63,8 @@ RETRY = RetryPolicy(
     maximum_attempts=5,
     non_retryable_error_types=["ConfigError", "WorkerLost", "RewardLoadError"],
 )
-# Short activities heartbeat every second while they wait on Ray (activities/ray_calls.py);
-# a worker process that died is noticed after HEARTBEAT, not after the whole timeout.
+# Activities heartbeat every second while they wait on Ray (activities/ray_calls.py); a
+# worker process that died is noticed after HEARTBEAT, not after the whole timeout.
 HEARTBEAT = timedelta(seconds=30)
 
 
@@ -59,27 +72,30 @@ HEARTBEAT = timedelta(seconds=30)
 class Phase:
     """How one kind of activity is called: its timeout bounds a single attempt."""
 
-    name: str
     timeout: timedelta
     heartbeat: bool = True
 
 
 PHASES = {
-    "prepare_run": Phase("prepare_run", timedelta(minutes=2), heartbeat=False),
-    "warmup": Phase("warmup", timedelta(minutes=30)),
-    "start_workers": Phase("start_workers", timedelta(minutes=10)),
-    "generate": Phase("generate", timedelta(minutes=30)),
-    "score": Phase("score", timedelta(minutes=30)),
-    "train": Phase("train", timedelta(minutes=30)),
-    "sync_weights": Phase("sync_weights", timedelta(minutes=10)),
-    "evaluate": Phase("evaluate", timedelta(minutes=30)),
-    "record_step": Phase("record_step", timedelta(minutes=1), heartbeat=False),
-    "finish_run": Phase("finish_run", timedelta(minutes=10)),
+    "prepare_run": Phase(timedelta(minutes=2), heartbeat=False),
+    "warmup": Phase(timedelta(minutes=30)),
+    "start_workers": Phase(timedelta(minutes=10)),
+    "generate": Phase(timedelta(minutes=30)),
+    "score": Phase(timedelta(minutes=30)),
+    "train": Phase(timedelta(minutes=30)),
+    "sync_weights": Phase(timedelta(minutes=10)),
+    "evaluate": Phase(timedelta(minutes=30)),
+    "record_step": Phase(timedelta(minutes=1), heartbeat=False),
+    "finish_run": Phase(timedelta(minutes=10)),
 }
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def _samples(rounds: list[ScoredBatch]) -> int:
+    return sum(r.batch.num_samples for r in rounds)
 
 
 @workflow.defn(name="TrainingWorkflow")
@@ -90,6 +106,29 @@ class TrainingWorkflow:
         self._run_id = ""
         self._phase = "starting"
         self._tokens_per_second: float | None = None
+        self._paused = False
+        self._stopping = False
+        self._in_flight: dict[int, int] = {}  # batch index -> version generating it
+        # The rollout engine runs one thing at a time: a generation, a weight sync or an
+        # evaluation. The lock keeps the workflow's idea of its version exact.
+        self._rollout_lock = asyncio.Lock()
+        self._rollout_busy_seconds = 0.0  # generation seconds since the last recorded step
+        self._stopping_producer = False  # fully_async: the trainer is done, stop producing
+
+    # -- signals and queries -------------------------------------------------------------
+
+    @workflow.signal
+    def pause(self) -> None:
+        self._paused = True
+
+    @workflow.signal
+    def resume(self) -> None:
+        self._paused = False
+
+    @workflow.signal
+    def stop(self) -> None:
+        """Finish at the next step boundary: export the policy and complete."""
+        self._stopping = True
 
     @workflow.query
     def progress(self) -> Progress:
@@ -103,36 +142,34 @@ class TrainingWorkflow:
             reward_mean=s.rewards[-1] if s and s.rewards else None,
             tokens_per_second=self._tokens_per_second,
             eval_rewards=dict(s.eval_rewards) if s else {},
+            paused=self._paused,
+            stopping=self._stopping,
         )
 
-    async def _call(self, phase: str, arg, result_type):
-        self._phase = phase
-        p = PHASES[phase]
-        return await workflow.execute_activity(
-            phase,
-            arg,
-            result_type=result_type,
-            start_to_close_timeout=p.timeout,
-            heartbeat_timeout=HEARTBEAT if p.heartbeat else None,
-            retry_policy=RETRY,
-        )
+    @workflow.query
+    def batches(self) -> list[BatchStatus]:
+        """Batches in flight (being generated) and ready (scored, waiting for the trainer)."""
+        out = [BatchStatus(index=i, state="in_flight", policy_version=v) for i, v in sorted(self._in_flight.items())]
+        for rounds in self._state.ready if self._state else []:
+            b = rounds[0].batch
+            out.append(BatchStatus(index=b.step, state="ready", policy_version=b.policy_version, num_samples=_samples(rounds)))
+        return out
+
+    # -- the run -------------------------------------------------------------------------
 
     @workflow.run
     async def run(self, inp: TrainingInput) -> RunSummary:
         self._run_id, self._plan = inp.run_id, inp.plan
         self._state = inp.resume if inp.resume is not None else await self._begin(inp)
         state, plan = self._state, self._plan
-
-        while state.next_step < plan.steps:
-            await self._step(state, plan)
-            if workflow.info().is_continue_as_new_suggested() and state.next_step < plan.steps:
-                self._phase = "continuing"
-                workflow.continue_as_new(replace(inp, resume=state))
-
-        if plan.evaluate and str(plan.steps) not in state.eval_rewards:
-            await self._evaluate(state, plan.steps)
+        loop = {"sync": self._sync_loop, "one_step_off": self._one_step_off_loop, "fully_async": self._fully_async_loop}[plan.mode]
+        if await loop(state, plan):
+            self._phase = "continuing"
+            workflow.continue_as_new(replace(inp, resume=state))
+        if plan.evaluate and str(state.next_step) not in state.eval_rewards:
+            await self._evaluate(state, state.next_step)
         done: FinishOutput = await self._call("finish_run", FinishInput(state.run, state.policy_version), FinishOutput)
-        self._phase = "completed"
+        self._phase = "stopped" if self._stopping else "completed"
         return RunSummary(
             run_id=state.run.run_id,
             run_uri=state.run.run_uri,
@@ -144,6 +181,8 @@ class TrainingWorkflow:
             eval_rewards=state.eval_rewards,
             warmup_loss_first=state.warmup_loss_first,
             warmup_loss_last=state.warmup_loss_last,
+            stopped=self._stopping and state.next_step < plan.steps,
+            dropped_samples=state.dropped_samples,
         )
 
     async def _begin(self, start: TrainingInput) -> RunState:
@@ -162,67 +201,223 @@ class TrainingWorkflow:
             await self._evaluate(state, 0)
         return state
 
-    async def _evaluate(self, state: RunState, step: int) -> None:
-        out: EvalOutput = await self._call("evaluate", EvalInput(state.run, step, state.policy_version), EvalOutput)
-        state.eval_rewards[str(step)] = out.reward_mean
+    # -- the three loops; each returns True when the run should continue as new -----------
 
-    async def _rollout(self, state: RunState, plan: LoopPlan, step: int) -> list[tuple[BatchRef, ScoreOutput]]:
-        """Generate and score one round of prompts; with dynamic sampling, more rounds until
-        enough groups carry signal (or the round budget is spent)."""
-        rounds: list[tuple[BatchRef, ScoreOutput]] = []
+    async def _sync_loop(self, state: RunState, plan: LoopPlan) -> bool:
+        while state.next_step < plan.steps and await self._boundary():
+            t0 = workflow.now()
+            rounds = await self._rollout(state, plan)
+            trained = await self._train(state, rounds)
+            synced = await self._sync(state)
+            await self._record(state, plan, rounds, trained, synced, t0, trainer_wait=0.0)
+            if self._continue_as_new_suggested(state, plan):
+                return True
+        return False
+
+    async def _one_step_off_loop(self, state: RunState, plan: LoopPlan) -> bool:
+        while state.next_step < plan.steps and await self._boundary():
+            t0 = workflow.now()
+            wait = 0.0
+            if not state.ready:  # the first step (or a stop/continue left nothing ready)
+                state.ready.append(await self._rollout(state, plan))
+                wait = (workflow.now() - t0).total_seconds()
+            rounds = state.ready.pop(0)
+            # Batch n+1 is generated with the weights the rollout holds now (step n's) while
+            # step n trains; the sync after both brings the rollout to the new version.
+            more = state.next_step + 1 < plan.steps and not self._stopping
+            training = asyncio.ensure_future(self._train(state, rounds))
+            generating = asyncio.ensure_future(self._rollout(state, plan)) if more else None
+            trained = await training
+            if generating is not None:
+                state.ready.append(await generating)
+            synced = await self._sync(state)
+            await self._record(state, plan, rounds, trained, synced, t0, trainer_wait=wait)
+            if self._continue_as_new_suggested(state, plan):
+                return True
+        return False
+
+    async def _fully_async_loop(self, state: RunState, plan: LoopPlan) -> bool:
+        producer = asyncio.ensure_future(self._produce(state, plan))
+        updates_since_sync = 0
+        can = False
+        try:
+            while state.next_step < plan.steps and await self._boundary():
+                t0 = workflow.now()
+                await workflow.wait_condition(lambda: bool(state.ready) or producer.done())
+                if not state.ready:
+                    break  # the producer ended (stop signal)
+                wait = (workflow.now() - t0).total_seconds()
+                rounds = state.ready.pop(0)
+                staleness = state.policy_version - rounds[0].batch.policy_version
+                if staleness > plan.max_staleness:
+                    # Never trained on silently: counted, and its prompts are rolled out again.
+                    state.dropped_samples += _samples(rounds)
+                    state.retry_prompts.append(rounds[0].batch.prompt_start)
+                    continue
+                trained = await self._train(state, rounds)
+                updates_since_sync += 1
+                synced = None
+                if updates_since_sync >= plan.sync_every:
+                    synced = await self._sync(state)
+                    updates_since_sync = 0
+                await self._record(state, plan, rounds, trained, synced, t0, trainer_wait=wait, staleness=staleness)
+                if self._continue_as_new_suggested(state, plan):
+                    can = True
+                    break
+        finally:
+            self._stopping_producer = True
+        # Batches the producer finishes stay in state.ready (carried on continue-as-new). The
+        # final evaluation loads the latest weights itself; the export reads the trainer.
+        await producer
+        return can
+
+    async def _produce(self, state: RunState, plan: LoopPlan) -> None:
+        """fully_async: keep rollouts going while staleness and the queue allow."""
+
+        def may_start() -> bool:
+            ahead = len(state.ready) + len(self._in_flight)
+            # The new batch is trained after everything ahead of it: its staleness then.
+            staleness_then = state.policy_version + ahead - state.rollout_version
+            total_batches = state.next_step + ahead
+            return ahead < plan.queue_limit and staleness_then <= plan.max_staleness and total_batches < plan.steps
+
+        while True:
+            await workflow.wait_condition(lambda: self._stopping_producer or self._stopping or (not self._paused and may_start()))
+            if self._stopping_producer or self._stopping:
+                return
+            state.ready.append(await self._rollout(state, plan))
+
+    # -- pieces of a step ----------------------------------------------------------------
+
+    async def _boundary(self) -> bool:
+        """Wait while paused; False once a stop was asked for."""
+        if self._paused and not self._stopping:
+            self._phase = "paused"
+            await workflow.wait_condition(lambda: not self._paused or self._stopping)
+        return not self._stopping
+
+    def _continue_as_new_suggested(self, state: RunState, plan: LoopPlan) -> bool:
+        return workflow.info().is_continue_as_new_suggested() and state.next_step < plan.steps
+
+    async def _call(self, phase: str, arg, result_type):
+        self._phase = phase
+        p = PHASES[phase]
+        return await workflow.execute_activity(
+            phase,
+            arg,
+            result_type=result_type,
+            start_to_close_timeout=p.timeout,
+            heartbeat_timeout=HEARTBEAT if p.heartbeat else None,
+            retry_policy=RETRY,
+        )
+
+    def _take_prompts(self, state: RunState, plan: LoopPlan) -> int:
+        if state.retry_prompts:
+            return state.retry_prompts.pop(0)
+        start = state.next_prompt
+        state.next_prompt += plan.prompts_per_step
+        return start
+
+    async def _rollout(self, state: RunState, plan: LoopPlan) -> list[ScoredBatch]:
+        """Generate and score the next batch; with dynamic sampling, more rounds until enough
+        groups carry signal (or the round budget is spent)."""
+        index = state.next_batch
+        state.next_batch += 1
+        rounds: list[ScoredBatch] = []
         informative = 0
-        for part in range(plan.sampling_rounds):
-            batch: BatchRef = await self._call(
-                "generate",
-                RolloutInput(
-                    run=state.run,
-                    step=step,
-                    prompt_start=state.next_prompt,
-                    prompt_count=plan.prompts_per_step,
-                    policy_version=state.policy_version,
-                    part=part,
-                ),
-                BatchRef,
-            )
-            state.next_prompt += plan.prompts_per_step
-            scored: ScoreOutput = await self._call("score", ScoreInput(state.run, batch), ScoreOutput)
-            rounds.append((batch, scored))
-            informative += scored.informative_groups
-            if informative >= plan.prompts_per_step:
-                break
+        async with self._rollout_lock:
+            self._in_flight[index] = state.rollout_version
+            try:
+                for part in range(plan.sampling_rounds):
+                    batch: BatchRef = await self._call(
+                        "generate",
+                        RolloutInput(
+                            run=state.run,
+                            step=index,
+                            prompt_start=self._take_prompts(state, plan),
+                            prompt_count=plan.prompts_per_step,
+                            policy_version=state.rollout_version,
+                            part=part,
+                        ),
+                        BatchRef,
+                    )
+                    self._rollout_busy_seconds += batch.generate_seconds
+                    scored: ScoreOutput = await self._call("score", ScoreInput(state.run, batch), ScoreOutput)
+                    rounds.append(ScoredBatch(batch, scored))
+                    informative += scored.informative_groups
+                    if informative >= plan.prompts_per_step:
+                        break
+            finally:
+                del self._in_flight[index]
         return rounds
 
-    async def _step(self, state: RunState, plan: LoopPlan) -> None:
-        step = state.next_step
-        rounds = await self._rollout(state, plan, step)
-        first = rounds[0][0]
+    async def _train(self, state: RunState, rounds: list[ScoredBatch]) -> TrainOutput:
+        first = rounds[0].batch
         trained: TrainOutput = await self._call(
             "train", TrainInput(state.run, first, state.policy_version, kl_coef=state.kl_coef, parts=len(rounds)), TrainOutput
         )
-        synced: SyncOutput = await self._call("sync_weights", SyncInput(state.run, trained.policy_version), SyncOutput)
-
-        samples = sum(b.num_samples for b, _ in rounds)
-        reward_mean = sum(s.reward_mean * b.num_samples for b, s in rounds) / samples
-        gen_seconds = sum(b.generate_seconds for b, _ in rounds)
         state.policy_version = trained.policy_version
         state.kl_coef = trained.kl_coef
+        return trained
+
+    async def _sync(self, state: RunState) -> SyncOutput:
+        async with self._rollout_lock:
+            synced: SyncOutput = await self._call("sync_weights", SyncInput(state.run, state.policy_version), SyncOutput)
+            state.rollout_version = synced.policy_version
+        return synced
+
+    async def _evaluate(self, state: RunState, step: int) -> None:
+        # Evaluation loads the trainer's weights into the rollout engine if it serves older ones.
+        async with self._rollout_lock:
+            out: EvalOutput = await self._call("evaluate", EvalInput(state.run, step, state.policy_version), EvalOutput)
+            state.rollout_version = state.policy_version
+        state.eval_rewards[str(step)] = out.reward_mean
+
+    async def _record(
+        self,
+        state: RunState,
+        plan: LoopPlan,
+        rounds: list[ScoredBatch],
+        trained: TrainOutput,
+        synced: SyncOutput | None,
+        started,
+        *,
+        trainer_wait: float,
+        staleness: int | None = None,
+    ) -> None:
+        step = state.next_step
+        samples = _samples(rounds)
+        reward_mean = sum(r.score.reward_mean * r.batch.num_samples for r in rounds) / samples
+        gen_seconds = sum(r.batch.generate_seconds for r in rounds)
+        wall = max((workflow.now() - started).total_seconds(), 1e-9)
         state.rewards.append(reward_mean)
         state.next_step = step + 1
-        self._tokens_per_second = sum(b.num_response_tokens for b, _ in rounds) / max(gen_seconds, 1e-9)
+        self._tokens_per_second = sum(r.batch.num_response_tokens for r in rounds) / max(gen_seconds, 1e-9)
+        batch_version = rounds[0].batch.policy_version
         metrics = {
             "reward_mean": reward_mean,
-            "reward_std": rounds[0][1].reward_std,
-            "response_length": sum(b.response_length_mean * b.num_samples for b, _ in rounds) / samples,
+            "reward_std": rounds[0].score.reward_std,
+            "response_length": sum(r.batch.response_length_mean * r.batch.num_samples for r in rounds) / samples,
             "tokens_per_second": self._tokens_per_second,
             "policy_version": float(state.policy_version),
+            "batch_index": float(rounds[0].batch.step),
+            "batch_policy_version": float(batch_version),
+            # How many versions behind the trained policy the samples were (0 in sync mode).
+            "staleness": float(staleness if staleness is not None else trained.policy_version - 1 - batch_version),
             "rollout_rounds": float(len(rounds)),
             "generate_seconds": gen_seconds,
-            "score_seconds": sum(s.seconds for _, s in rounds),
+            "score_seconds": sum(r.score.seconds for r in rounds),
             "train_seconds": trained.seconds,
-            "sync_seconds": synced.seconds,
-            "sync_megabytes": synced.megabytes,
+            "sync_seconds": synced.seconds if synced else 0.0,
+            "sync_megabytes": synced.megabytes if synced else 0.0,
+            "step_seconds": wall,
+            "trainer_idle_fraction": min(trainer_wait / wall, 1.0),
+            "rollout_idle_fraction": max(0.0, 1.0 - self._rollout_busy_seconds / wall),
+            "queue_depth": float(len(state.ready)),
+            "dropped_samples": float(state.dropped_samples),
             **{k: v for k, v in trained.metrics.items() if k not in ("response_length", "train_seconds")},
         }
+        self._rollout_busy_seconds = 0.0
         if plan.evaluate and plan.eval_every and state.next_step % plan.eval_every == 0:
             await self._evaluate(state, state.next_step)
             metrics["eval_reward"] = state.eval_rewards[str(state.next_step)]
