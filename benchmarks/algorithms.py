@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="rt-alg-"))
-    console = Console()
+    console = Console(width=160)
     table = Table(title=f"copy task, {args.steps} steps from the same warm-up model")
     for col in ("estimator", "reward@0", "reward@50", "reward@100", f"reward@{args.steps}", "eval (greedy)", "wall s"):
         table.add_column(col, justify="right")

@@ -103,7 +103,7 @@ def main() -> None:
         table.add_column(col, justify="right")
     table.add_row("plain loop (in-process)", *(f"{plain[k]:.3f}" for k in ("step", "generate", "score", "train", "sync")))
     table.add_row("ratchet (workflow + Ray)", *(f"{through[k]:.3f}" for k in ("step", "generate", "score", "train", "sync")))
-    console = Console()
+    console = Console(width=160)
     console.print(table)
     overhead_ms = (through["step"] - plain["step"]) * 1000
     # The phases run in separate processes through ratchet, so their compute differs a little

@@ -114,6 +114,7 @@ class TrainingWorkflow:
         self._rollout_lock = asyncio.Lock()
         self._rollout_busy_seconds = 0.0  # generation seconds since the last recorded step
         self._stopping_producer = False  # fully_async: the trainer is done, stop producing
+        self._training = False  # fully_async: an update is running
 
     # -- signals and queries -------------------------------------------------------------
 
@@ -254,7 +255,9 @@ class TrainingWorkflow:
                     state.dropped_samples += _samples(rounds)
                     state.retry_prompts.append(rounds[0].batch.prompt_start)
                     continue
+                self._training = True
                 trained = await self._train(state, rounds)
+                self._training = False
                 updates_since_sync += 1
                 synced = None
                 if updates_since_sync >= plan.sync_every:
@@ -275,7 +278,8 @@ class TrainingWorkflow:
         """fully_async: keep rollouts going while staleness and the queue allow."""
 
         def may_start() -> bool:
-            ahead = len(state.ready) + len(self._in_flight)
+            # Every batch ahead of a new one (training, ready, in flight) adds a version first.
+            ahead = len(state.ready) + len(self._in_flight) + int(self._training)
             # The new batch is trained after everything ahead of it: its staleness then.
             staleness_then = state.policy_version + ahead - state.rollout_version
             total_batches = state.next_step + ahead

@@ -1,0 +1,209 @@
+"""Does overlapping generation and training pay off? The same recipe in the three loop modes.
+
+Part 1, real workload: the copy task with long answers, so that generating a batch and
+training on it take about the same time, run for the same number of samples in `sync`,
+`one_step_off` and `fully_async` mode through the whole platform (Temporal dev server,
+worker process, Ray actors on their own cores). Prints samples/s, speedup over sync, idle
+fractions and the final greedy eval reward.
+
+Part 2, orchestration alone: the same workflow with activities that only sleep (generate
+and train `--stage-seconds` each, score and sync instantly), served by a worker in this
+process; the achieved step time is compared with the ideal (generate + train for sync,
+max(generate, train) for the overlapped modes).
+
+    .venv/bin/python benchmarks/async_speedup.py [--steps 40] [--stage-seconds 2] [--sim-steps 6]
+"""
+
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ratchet.platform.assets import prepare_assets
+from ratchet.platform.client import RECIPE_PATH, Client, loop_plan
+from ratchet.platform.demo import start_worker_process, stop_worker_process
+from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
+
+# Generation costs per token step, training per token: a small batch of long answers
+# makes the two about equal on this machine, which is where overlapping them pays most.
+PROMPTS, GROUP = 8, 8
+MODES = {
+    "sync": ["loop.mode=sync"],
+    "one_step_off": ["loop.mode=one_step_off", "algorithm.off_policy.mode=decoupled"],
+    "fully_async": ["loop.mode=fully_async", "loop.max_staleness=2", "loop.queue_limit=3", "algorithm.off_policy.mode=decoupled"],
+}
+
+
+def real_workload(work: Path, steps: int, console: Console) -> dict[str, dict]:
+    assets = prepare_assets(work / "assets", tasks=("copy",), digits=14)
+    train, evals = assets.data["copy"]
+    base = [
+        f"model.path={assets.model}", f"data.train_files={train}", f"data.eval_files={evals}",
+        f"storage.root={work / 'runs'}", f"loop.steps={steps}", "loop.eval_every=0", f"loop.prompts_per_step={PROMPTS}",
+        f"rollout.n={GROUP}", "rollout.max_response_length=16", "warmup.steps=40", "algorithm.kl.coef=0",
+        "data.eval_size=64", "tracking.name=speedup",
+    ]  # fmt: skip
+    t, ui, r = free_ports(3)
+    settings = ServiceSettings(state_dir=work / "svc", temporal_port=t, temporal_ui_port=ui, ray_port=r, start_timeout_s=60)
+    up(settings)
+    worker = start_worker_process(settings)
+    results = {}
+    try:
+        client = Client.connect(temporal_address(settings))
+        for mode, extra in MODES.items():
+            handle = client.submit(RECIPE_PATH, [*base, *extra])
+            summary = handle.result()
+            lines = [json.loads(x) for x in (Path(summary.run_uri) / "metrics.jsonl").read_text().splitlines()]
+            measured = lines[2:]  # the first steps include actor warm-up
+            wall = sum(m["step_seconds"] for m in measured)
+            samples = PROMPTS * GROUP * len(measured)
+            results[mode] = {
+                "samples_per_s": samples / wall,
+                "step_s": wall / len(measured),
+                "generate_s": sum(m["generate_seconds"] for m in measured) / len(measured),
+                "train_s": sum(m["train_seconds"] for m in measured) / len(measured),
+                "trainer_idle": sum(m["trainer_idle_fraction"] for m in measured) / len(measured),
+                "rollout_idle": sum(m["rollout_idle_fraction"] for m in measured) / len(measured),
+                "eval": summary.eval_rewards[str(steps)],
+                "dropped": summary.dropped_samples,
+            }
+            console.print(f"{mode}: {results[mode]['step_s']:.2f} s/step, eval {results[mode]['eval']:.3f}")
+    finally:
+        stop_worker_process(worker)
+        down(settings)
+    return results
+
+
+class Simulation:
+    """Activities with the workflow's names that only sleep: orchestration measured alone."""
+
+    def __init__(self, work: Path, stage_seconds: float):
+        self.work, self.stage_seconds = work, stage_seconds
+        self.recorded: list[float] = []
+
+    def activities(self) -> list:
+        from temporalio import activity
+
+        from ratchet import types as t
+
+        def prepare_run(inp: t.PrepareInput) -> t.PrepareOutput:
+            return t.PrepareOutput(run=t.RunRef(inp.run_id, str(self.work / "sim")))
+
+        def warmup(inp: t.WarmupInput) -> t.WarmupOutput:
+            return t.WarmupOutput(policy_uri="sim", loss_first=0.0, loss_last=0.0, seconds=0.0)
+
+        def start_workers(inp: t.StartWorkersInput) -> t.StartWorkersOutput:
+            return t.StartWorkersOutput(policy_version=0, num_parameters=0, seconds=0.0)
+
+        def generate(inp: t.RolloutInput) -> t.BatchRef:
+            time.sleep(self.stage_seconds)
+            return t.BatchRef(
+                inp.run.run_id, inp.step, "sim", inp.prompt_count, inp.prompt_count, 1, inp.policy_version,
+                prompt_start=inp.prompt_start, generate_seconds=self.stage_seconds,
+            )  # fmt: skip
+
+        def score(inp: t.ScoreInput) -> t.ScoreOutput:
+            return t.ScoreOutput(reward_mean=0.0, reward_std=0.0, seconds=0.0, informative_groups=inp.batch.num_prompts)
+
+        def train(inp: t.TrainInput) -> t.TrainOutput:
+            time.sleep(self.stage_seconds)
+            return t.TrainOutput(policy_version=inp.policy_version + 1, metrics={}, seconds=self.stage_seconds)
+
+        def sync_weights(inp: t.SyncInput) -> t.SyncOutput:
+            return t.SyncOutput(policy_version=inp.policy_version, seconds=0.0, megabytes=0.0)
+
+        def evaluate(inp: t.EvalInput) -> t.EvalOutput:
+            return t.EvalOutput(step=inp.step, reward_mean=0.0, num_samples=0)
+
+        def record_step(inp: t.StepRecord) -> None:
+            self.recorded.append(time.perf_counter())
+
+        def finish_run(inp: t.FinishInput) -> t.FinishOutput:
+            return t.FinishOutput(final_policy_uri="")
+
+        fns = [prepare_run, warmup, start_workers, generate, score, train, sync_weights, evaluate, record_step, finish_run]
+        return [activity.defn(name=fn.__name__)(fn) for fn in fns]
+
+
+def simulated(work: Path, steps: int, stage_seconds: float) -> dict[str, float]:
+    """Steady-state step time per mode with activities that only sleep."""
+    from temporalio.testing import WorkflowEnvironment
+    from temporalio.worker import Worker
+
+    from ratchet.config import load_config
+    from ratchet.types import TrainingInput
+    from ratchet.workflows.training import TrainingWorkflow
+
+    sim = Simulation(work, stage_seconds)
+    temporal = Path(sys.executable).parent / "temporal"
+
+    async def run_all() -> dict[str, float]:
+        env = await WorkflowEnvironment.start_local(dev_server_existing_path=str(temporal), ui=False)
+        out = {}
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                worker = Worker(env.client, task_queue="sim", workflows=[TrainingWorkflow], activities=sim.activities(), activity_executor=pool)
+                async with worker:
+                    for mode, extra in MODES.items():
+                        cfg = load_config(RECIPE_PATH, [f"loop.steps={steps}", "data.eval_files=null", *extra], check_files=False)
+                        inp = TrainingInput(run_id=f"sim-{mode}", config={}, plan=loop_plan(cfg))
+                        sim.recorded.clear()
+                        await env.client.execute_workflow("TrainingWorkflow", inp, id=f"sim-{mode}-{time.time_ns()}", task_queue="sim")
+                        # Steady state: between the first and the last step's record (the
+                        # first step of an overlapped mode cannot overlap anything).
+                        out[mode] = (sim.recorded[-1] - sim.recorded[0]) / (len(sim.recorded) - 1)
+        finally:
+            await env.shutdown()
+        return out
+
+    return asyncio.run(run_all())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--stage-seconds", type=float, default=2.0)
+    ap.add_argument("--sim-steps", type=int, default=6)
+    ap.add_argument("--skip-real", action="store_true")
+    args = ap.parse_args()
+    console = Console(width=160)
+    work = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-speed-"))
+    try:
+        real = {} if args.skip_real else real_workload(work, args.steps, console)
+        sim = simulated(work, args.sim_steps, args.stage_seconds)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if real:
+        t = Table(title=f"real workload: {args.steps} steps x {PROMPTS * GROUP} samples, copy task with 14-digit answers")
+        for col in ("mode", "samples/s", "speedup", "s/step", "generate s", "train s", "trainer idle", "rollout idle", "eval reward", "dropped"):
+            t.add_column(col, justify="right")
+        for mode, r in real.items():
+            t.add_row(
+                mode, f"{r['samples_per_s']:.1f}", f"{r['samples_per_s'] / real['sync']['samples_per_s']:.2f}x", f"{r['step_s']:.2f}",
+                f"{r['generate_s']:.2f}", f"{r['train_s']:.2f}", f"{r['trainer_idle']:.2f}", f"{r['rollout_idle']:.2f}",
+                f"{r['eval']:.3f}", str(r["dropped"]),
+            )  # fmt: skip
+        console.print(t)
+    s = args.stage_seconds
+    ideal = {"sync": 2 * s, "one_step_off": s, "fully_async": s}
+    t = Table(title=f"orchestration alone: generate and train sleep {s:g} s each, {args.sim_steps} steps")
+    for col in ("mode", "s/step", "ideal", "over ideal"):
+        t.add_column(col, justify="right")
+    for mode, step in sim.items():
+        t.add_row(mode, f"{step:.2f}", f"{ideal[mode]:.2f}", f"{(step / ideal[mode] - 1) * 100:+.1f}%")
+    console.print(t)
+    os._exit(0)  # the Temporal SDK can crash at interpreter exit
+
+
+if __name__ == "__main__":
+    main()
