@@ -129,7 +129,7 @@ def test_wrong_literal_lists_allowed_values(setup: Setup) -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(setup.yaml, ["loop.mode=bogus", "model.dtype=float16"])
     issues = issues_of(excinfo)
-    assert issues["loop.mode"] == "expected one of: sync; got 'bogus'"
+    assert issues["loop.mode"] == "expected one of: sync, one_step_off, fully_async; got 'bogus'"
     assert issues["model.dtype"] == "expected one of: float32, bfloat16; got 'float16'"
 
 
