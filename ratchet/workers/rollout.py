@@ -42,9 +42,6 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.version
 
-    def num_prompts(self) -> int:
-        return len(self.train)
-
     def generate(self, step: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0) -> dict:
         if policy_version != self.version:
             raise RuntimeError(f"rollout worker holds policy v{self.version}, asked for v{policy_version}")
