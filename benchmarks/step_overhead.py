@@ -18,7 +18,6 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch

@@ -50,7 +50,6 @@ class RunState:
     """The run state the workflow owns; carried across continue-as-new."""
 
     run: RunRef
-    policy_uri: str
     next_step: int = 0
     next_prompt: int = 0  # the prompt frontier: prompts before it have been rolled out
     next_batch: int = 0  # index (storage key) of the next rollout batch

@@ -13,7 +13,6 @@ loop of its own.
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -116,7 +115,9 @@ class Client:
     def connect(cls, address: str | None = None, *, namespace: str = "default", task_queue: str = TASK_QUEUE) -> "Client":
         from temporalio.client import Client as TemporalClient
 
-        address = address or os.environ.get("RATCHET_TEMPORAL_ADDRESS") or f"127.0.0.1:{os.environ.get('RATCHET_TEMPORAL_PORT', '7233')}"
+        from .worker import default_temporal_address
+
+        address = address or default_temporal_address()
         loop = asyncio.new_event_loop()
         temporal = loop.run_until_complete(TemporalClient.connect(address, namespace=namespace))
         return cls(temporal, loop, task_queue)

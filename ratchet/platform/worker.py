@@ -18,7 +18,14 @@ from datetime import timedelta
 
 from ratchet.types import TASK_QUEUE
 
+from .services import ServiceSettings, ray_address, temporal_address
+
 log = logging.getLogger(__name__)
+
+
+def default_temporal_address() -> str:
+    """$RATCHET_TEMPORAL_ADDRESS, else the embedded server's address (`ratchet up`'s settings)."""
+    return os.environ.get("RATCHET_TEMPORAL_ADDRESS") or temporal_address(ServiceSettings.from_env())
 
 
 @dataclass
@@ -36,9 +43,9 @@ class WorkerSettings:
     def from_env(cls) -> "WorkerSettings":
         env = os.environ
         return cls(
-            temporal_address=env.get("RATCHET_TEMPORAL_ADDRESS", f"127.0.0.1:{env.get('RATCHET_TEMPORAL_PORT', '7233')}"),
+            temporal_address=default_temporal_address(),
             namespace=env.get("RATCHET_NAMESPACE", "default"),
-            ray_address=env.get("RATCHET_RAY_ADDRESS", f"127.0.0.1:{env.get('RATCHET_RAY_PORT', '6380')}"),
+            ray_address=env.get("RATCHET_RAY_ADDRESS") or ray_address(ServiceSettings.from_env()),
             task_queue=env.get("RATCHET_TASK_QUEUE", TASK_QUEUE),
             sticky_schedule_to_start_seconds=float(env.get("RATCHET_STICKY_TIMEOUT_S", "10")),
         )

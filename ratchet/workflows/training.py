@@ -192,7 +192,6 @@ class TrainingWorkflow:
         await self._call("start_workers", StartWorkersInput(prep.run, warm.policy_uri), StartWorkersOutput)
         state = RunState(
             run=prep.run,
-            policy_uri=warm.policy_uri,
             kl_coef=start.plan.kl_coef,
             warmup_loss_first=warm.loss_first,
             warmup_loss_last=warm.loss_last,
