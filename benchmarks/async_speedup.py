@@ -34,23 +34,28 @@ from ratchet.platform.client import RECIPE_PATH, Client, loop_plan
 from ratchet.platform.demo import start_worker_process, stop_worker_process
 from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
 
-# Generation costs per token step, training per token: a small batch of long answers
-# makes the two about equal on this machine, which is where overlapping them pays most.
-PROMPTS, GROUP = 8, 8
+# Generation costs per decode step, training per token: 6 prompts x 8 samples with answers
+# of up to 24 tokens make the two about equal on this machine (~0.23 s each), which is
+# where overlapping them pays most. Every mode runs the same algorithm: GRPO with PPO's
+# clip over pi / mu (`bypass`: the behaviour log-probs are the old ones, so the trainer
+# needs no extra forward pass), which also bounds the lag of a one-step-stale batch.
+PROMPTS, GROUP, DIGITS, MAX_RESPONSE = 6, 8, 20, 24
+SAME_ALGORITHM = ["algorithm.off_policy.mode=bypass"]
 MODES = {
     "sync": ["loop.mode=sync"],
-    "one_step_off": ["loop.mode=one_step_off", "algorithm.off_policy.mode=decoupled"],
-    "fully_async": ["loop.mode=fully_async", "loop.max_staleness=2", "loop.queue_limit=3", "algorithm.off_policy.mode=decoupled"],
+    "one_step_off": ["loop.mode=one_step_off"],
+    # Partial rollouts (the default): a sync lands inside the generation in flight.
+    "fully_async": ["loop.mode=fully_async", "loop.max_staleness=1", "loop.queue_limit=2"],
 }
 
 
 def real_workload(work: Path, steps: int, console: Console) -> dict[str, dict]:
-    assets = prepare_assets(work / "assets", tasks=("copy",), digits=14)
+    assets = prepare_assets(work / "assets", tasks=("copy",), digits=DIGITS)
     train, evals = assets.data["copy"]
     base = [
         f"model.path={assets.model}", f"data.train_files={train}", f"data.eval_files={evals}",
         f"storage.root={work / 'runs'}", f"loop.steps={steps}", "loop.eval_every=0", f"loop.prompts_per_step={PROMPTS}",
-        f"rollout.n={GROUP}", "rollout.max_response_length=16", "warmup.steps=40", "algorithm.kl.coef=0",
+        f"rollout.n={GROUP}", f"rollout.max_response_length={MAX_RESPONSE}", "warmup.steps=40", "algorithm.kl.coef=0",
         "data.eval_size=64", "tracking.name=speedup",
     ]  # fmt: skip
     t, ui, r = free_ports(3)
@@ -61,7 +66,7 @@ def real_workload(work: Path, steps: int, console: Console) -> dict[str, dict]:
     try:
         client = Client.connect(temporal_address(settings))
         for mode, extra in MODES.items():
-            handle = client.submit(RECIPE_PATH, [*base, *extra])
+            handle = client.submit(RECIPE_PATH, [*base, *SAME_ALGORITHM, *extra])
             summary = handle.result()
             lines = [json.loads(x) for x in (Path(summary.run_uri) / "metrics.jsonl").read_text().splitlines()]
             measured = lines[2:]  # the first steps include actor warm-up
@@ -76,6 +81,10 @@ def real_workload(work: Path, steps: int, console: Console) -> dict[str, dict]:
                 "rollout_idle": sum(m["rollout_idle_fraction"] for m in measured) / len(measured),
                 "eval": summary.eval_rewards[str(steps)],
                 "dropped": summary.dropped_samples,
+                # Steps whose batch holds tokens of more than one version (partial rollouts).
+                "spanning": sum(len([k for k in m if k.startswith("staleness_tokens/") and k[-1].isdigit()]) > 1 for m in measured)
+                / len(measured),
+                "sync_s": sum(m["sync_seconds"] for m in measured) / len(measured),
             }
             console.print(f"{mode}: {results[mode]['step_s']:.2f} s/step, eval {results[mode]['eval']:.3f}")
     finally:
@@ -184,13 +193,16 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if real:
-        t = Table(title=f"real workload: {args.steps} steps x {PROMPTS * GROUP} samples, copy task with 14-digit answers")
-        for col in ("mode", "samples/s", "speedup", "s/step", "generate s", "train s", "trainer idle", "rollout idle", "eval reward", "dropped"):
+        t = Table(title=f"real workload: {args.steps} steps x {PROMPTS * GROUP} samples, copy task with {DIGITS}-digit answers")
+        cols = ("mode", "samples/s", "speedup", "s/step", "generate s", "train s", "sync s", "trainer idle", "rollout idle",
+                "spanning batches", "eval reward", "dropped")  # fmt: skip
+        for col in cols:
             t.add_column(col, justify="right")
         for mode, r in real.items():
             t.add_row(
                 mode, f"{r['samples_per_s']:.1f}", f"{r['samples_per_s'] / real['sync']['samples_per_s']:.2f}x", f"{r['step_s']:.2f}",
-                f"{r['generate_s']:.2f}", f"{r['train_s']:.2f}", f"{r['trainer_idle']:.2f}", f"{r['rollout_idle']:.2f}",
+                f"{r['generate_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.3f}", f"{r['trainer_idle']:.2f}",
+                f"{r['rollout_idle']:.2f}", f"{r['spanning']:.2f}",
                 f"{r['eval']:.3f}", str(r["dropped"]),
             )  # fmt: skip
         console.print(t)

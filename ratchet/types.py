@@ -35,6 +35,7 @@ class LoopPlan:
     max_staleness: int = 1  # fully_async: most policy versions a trained sample may lag
     queue_limit: int = 2  # fully_async: most batches generated ahead of the trainer
     sync_every: int = 1  # fully_async: weight sync every this many updates
+    partial_rollout: bool = False  # fully_async: syncs land inside generations in flight
 
 
 @dataclass

@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 from ratchet.config.schema import RunConfig
 from ratchet.workers.critic import CriticWorker
 from ratchet.workers.reward import RewardWorker
-from ratchet.workers.rollout import RolloutWorker
+from ratchet.workers.rollout import RolloutWorker, partial_rollouts
 from ratchet.workers.trainer import TrainerWorker
 
 from .ray_calls import wait
@@ -50,7 +50,7 @@ class RunPools:
         except ValueError:
             return None
 
-    def _create(self, cls, role: str, rank: int, num_cpus: float, *args):
+    def _create(self, cls, role: str, rank: int, num_cpus: float, *args, concurrency: int = 1):
         return (
             ray.remote(cls)
             .options(
@@ -59,7 +59,7 @@ class RunPools:
                 lifetime="detached",
                 get_if_exists=True,
                 num_cpus=num_cpus,
-                max_concurrency=1,
+                max_concurrency=concurrency,
                 runtime_env=_actor_env(self.cfg),
             )
             .remote(*args)
@@ -117,18 +117,24 @@ class RunPools:
     # -- rollout and reward --------------------------------------------------------------
 
     def start_rollout(self, policy_path: str):
-        return self._create(RolloutWorker, "rollout", 0, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri)
+        # Partial rollouts: a weight sync is received while a generation runs (a second thread).
+        concurrency = 2 if partial_rollouts(self.cfg) else 1
+        return self._create(
+            RolloutWorker, "rollout", 0, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri, concurrency=concurrency
+        )
 
     def start_reward(self, policy_path: str):
         return self._create(RewardWorker, "reward", 0, self.cfg.resources.reward_cpus, self.cfg, policy_path, self.run_uri)
 
     def rollout(self, expected_version: int, policy_path: str):
-        """The rollout worker at `expected_version`; recreated and synced if it was lost."""
+        """The rollout worker at `expected_version` (or newer, with partial rollouts: a sync
+        may land before the workflow hears of it); recreated and synced if it was lost."""
         actor = self._find("rollout")
         if actor is None:
             log.warning("run %s: rollout worker lost; recreating it", self.run_id)
             actor = self.start_rollout(policy_path)
-        if wait(actor.policy_version.remote()) != expected_version:
+        held = wait(actor.policy_version.remote())
+        if held != expected_version and not (held > expected_version and partial_rollouts(self.cfg)):
             self.sync_weights(expected_version, actor)
         return actor
 

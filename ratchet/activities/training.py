@@ -108,7 +108,7 @@ def generate(inp: RolloutInput) -> BatchRef:
         num_prompts=inp.prompt_count,
         num_samples=out["num_samples"],
         num_response_tokens=out["num_response_tokens"],
-        policy_version=inp.policy_version,
+        policy_version=out["policy_version"],
         part=inp.part,
         prompt_start=inp.prompt_start,
         generate_seconds=out["generate_seconds"],

@@ -35,6 +35,11 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_response_length: int = Field(16, gt=0, description="Maximum new tokens per sample.")
+    partial_rollout: bool = Field(
+        True,
+        description="fully_async only: a weight sync lands between two decode steps of a generation in flight, which "
+        "goes on with the new weights (each token records its version) instead of the sync waiting for it to finish.",
+    )
 
 
 def _registered(registry: str, name: str) -> str:

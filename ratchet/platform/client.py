@@ -42,6 +42,7 @@ def loop_plan(cfg) -> LoopPlan:
         max_staleness=cfg.loop.max_staleness,
         queue_limit=cfg.loop.queue_limit,
         sync_every=cfg.loop.sync_every,
+        partial_rollout=cfg.rollout.partial_rollout and cfg.loop.mode == "fully_async",
     )
 
 

@@ -79,6 +79,18 @@ def keep_informative_groups(rewards: torch.Tensor, group: torch.Tensor, max_grou
     return torch.isin(group, torch.tensor(kept_groups, dtype=group.dtype)) & keep
 
 
+def token_staleness_histogram(lag: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Fraction of trained tokens sampled k policy versions behind the one being updated
+    (`staleness_tokens/k`); a partial rollout spreads one sample over several k."""
+    lags = lag[mask > 0]
+    if lags.numel() == 0:
+        return {}
+    counts = torch.bincount(lags.clamp(min=0))
+    out = {f"staleness_tokens/{k}": c.item() / lags.numel() for k, c in enumerate(counts) if c > 0}
+    out["staleness_tokens/max"] = float(lags.max().item())
+    return out
+
+
 @dataclass
 class MetricSums:
     """Numerators summed over ranks and divided by the global token count, so metrics are
@@ -199,7 +211,10 @@ class PolicyTrainer:
         micro = self._micro_batches(shard)
         # 3. old (proximal) and reference log-probs
         self.model.eval()
-        old = self._logprobs(self.model, shard, micro)
+        # bypass uses the behaviour log-probs as the old ones: no forward pass for them,
+        # unless KL in the reward needs the current policy's log-probs anyway.
+        recompute_old = alg.off_policy.mode != "bypass" or alg.kl.in_reward
+        old = self._logprobs(self.model, shard, micro) if recompute_old else None
         ref = self._logprobs(self.reference, shard, micro) if self.reference is not None else None
         # 4. advantages over the whole batch
         token_rewards = sequence_rewards_to_tokens(rewards, mask)
@@ -261,6 +276,7 @@ class PolicyTrainer:
                 grad_norm = grad_norm.full_tensor()
             grad_norms.append(float(grad_norm))
             self.optimizer.step()
+        staleness = token_staleness_histogram(self.version - batch.policy_version, mask)
         self.version += 1
         metrics = sums.reduce(self.world_size)
         # 7. the KL controller
@@ -275,6 +291,7 @@ class PolicyTrainer:
             response_length=lengths.float().mean().item(),
             kl_coef=kl_coef,
             kept_fraction=kept.float().mean().item(),
+            **staleness,
             **{f"off_policy/{k}": v for k, v in correction.metrics.items()},
         )
         if alg.kl.in_reward:

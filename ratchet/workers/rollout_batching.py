@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .batch import RolloutBatch
-from .engines import Engine, SamplingParams
+from .engines import Engine, SamplingParams, WeightSwap
 from .prompts import PromptSet
 
 
@@ -15,9 +15,16 @@ def prompt_indices(start: int, count: int, total: int) -> list[int]:
 
 
 def generate_batch(
-    engine: Engine, prompts: PromptSet, indices: list[int], params: SamplingParams, *, policy_version: int, pad_id: int
+    engine: Engine,
+    prompts: PromptSet,
+    indices: list[int],
+    params: SamplingParams,
+    *,
+    policy_version: int,
+    pad_id: int,
+    weight_swap: WeightSwap | None = None,
 ) -> RolloutBatch:
-    groups = engine.generate([prompts.token_ids[i] for i in indices], params)
+    groups = engine.generate([prompts.token_ids[i] for i in indices], params, version=policy_version, weight_swap=weight_swap)
     rows = [(idx, gen) for idx, group in zip(indices, groups) for gen in group]
     prompt_w = max(len(prompts.token_ids[i]) for i in indices)
     resp_w = max(1, max(len(g.token_ids) for _, g in rows))
@@ -27,6 +34,7 @@ def generate_batch(
     response_ids = torch.full((b, resp_w), pad_id, dtype=torch.long)
     response_mask = torch.zeros((b, resp_w), dtype=torch.float32)
     logprobs = torch.zeros((b, resp_w), dtype=torch.float32)
+    versions = torch.zeros((b, resp_w), dtype=torch.long)
     for r, (idx, gen) in enumerate(rows):
         p = prompts.token_ids[idx]
         prompt_ids[r, prompt_w - len(p) :] = torch.tensor(p)
@@ -36,13 +44,14 @@ def generate_batch(
             response_ids[r, :k] = torch.tensor(gen.token_ids)
             response_mask[r, :k] = 1.0
             logprobs[r, :k] = torch.tensor(gen.logprobs)
+            versions[r, :k] = torch.tensor(gen.versions) if gen.versions else policy_version
     return RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         response_ids=response_ids,
         response_mask=response_mask,
         rollout_logprobs=logprobs,
-        policy_version=(response_mask > 0).long() * policy_version,
+        policy_version=versions,
         prompt_index=torch.tensor([idx for idx, _ in rows], dtype=torch.long),
         samples=[prompts.sample_info(idx) for idx, _ in rows],
     )

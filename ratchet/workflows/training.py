@@ -6,7 +6,8 @@
 - `fully_async`: a producer keeps rollouts running ahead of the trainer; a batch starts only
   if it will be at most `max_staleness` versions old when trained, the trainer takes ready
   batches oldest first, drops (and redoes) any that are staler, and weights sync every
-  `sync_every` updates.
+  `sync_every` updates. With partial rollouts the sync does not wait for the generation in
+  flight: the engine takes the new weights between two decode steps and carries on.
 
 The workflow is the controller with the global view (HybridFlow): it owns the run state
 (step, policy versions, prompt frontier, ready batches) and tells workers what to do; the
@@ -364,9 +365,15 @@ class TrainingWorkflow:
         return trained
 
     async def _sync(self, state: RunState) -> SyncOutput:
+        if self._plan.partial_rollout:
+            # The rollout worker itself orders the sync against the generation in flight.
+            return await self._sync_now(state)
         async with self._rollout_lock:
-            synced: SyncOutput = await self._call("sync_weights", SyncInput(state.run, state.policy_version), SyncOutput)
-            state.rollout_version = synced.policy_version
+            return await self._sync_now(state)
+
+    async def _sync_now(self, state: RunState) -> SyncOutput:
+        synced: SyncOutput = await self._call("sync_weights", SyncInput(state.run, state.policy_version), SyncOutput)
+        state.rollout_version = synced.policy_version
         return synced
 
     async def _evaluate(self, state: RunState, step: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -25,11 +25,25 @@ class Generation:
 
     token_ids: list[int]
     logprobs: list[float]
+    # The policy version that produced each token; it changes inside one sample when the
+    # weights were swapped mid-generation (a partial rollout).
+    versions: list[int] | None = None
+
+
+# Called by the engine between decode steps; returns the new policy version when it has
+# just loaded newer weights, else None. Lets a weight sync land inside a generation.
+WeightSwap = Callable[[], "int | None"]
 
 
 class Engine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
-        """For each prompt, `params.n` generations (greedy: n identical ones)."""
+    # True when `generate` honours `weight_swap` (weights can change between decode steps).
+    supports_partial_rollout: bool
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, version: int = 0, weight_swap: WeightSwap | None = None
+    ) -> list[list[Generation]]:
+        """For each prompt, `params.n` generations (greedy: n identical ones), tagged with
+        `version`, or with the version `weight_swap` reports from the step it swapped on."""
         ...
 
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:

@@ -1,4 +1,11 @@
-"""Hugging Face transformers engine: batched sampling with `model.generate`."""
+"""Hugging Face transformers engine: batched sampling with `model.generate`.
+
+Partial rollouts: a logits processor runs between decode steps and lets a pending weight
+update land there, so a generation in flight continues with the new weights instead of
+being thrown away. Tokens from then on carry the new version; the KV cache of the earlier
+tokens was computed by the old weights and is kept (as AReaL and verl's partial rollouts
+do), which the stored per-token behaviour log-probs and versions account for.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,34 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from .base import Generation, SamplingParams
+from .base import Generation, SamplingParams, WeightSwap
+
+
+class _SwapPoint:
+    """A logits processor that only offers the weights a chance to change after each decode
+    step and remembers where they did: [(first new-token index, version), ...]."""
+
+    def __init__(self, swap: WeightSwap, version: int):
+        self.swap, self.changes, self.step = swap, [(0, version)], 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.step += 1  # these scores (old weights) pick token step-1; the next forward is new
+        version = self.swap()
+        if version is not None:
+            self.changes.append((self.step, version))
+        return scores
+
+    def versions(self, length: int) -> list[int]:
+        out = []
+        for i, (start, version) in enumerate(self.changes):
+            end = self.changes[i + 1][0] if i + 1 < len(self.changes) else length
+            out += [version] * max(0, min(end, length) - start)
+        return out
 
 
 class HFEngine:
+    supports_partial_rollout = True
+
     def __init__(self, model_path: str, *, dtype: str = "float32"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -22,7 +53,11 @@ class HFEngine:
         self.eos_id = self.tokenizer.eos_token_id
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, version: int = 0, weight_swap: WeightSwap | None = None
+    ) -> list[list[Generation]]:
+        from transformers import LogitsProcessorList
+
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -30,6 +65,7 @@ class HFEngine:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         n = 1 if params.greedy else params.n
+        swap_point = _SwapPoint(weight_swap or (lambda: None), version)
         # A private RNG stream seeded per call: the same (seed, prompts) give the same samples,
         # and the process's global generator is left as it was.
         with torch.random.fork_rng(devices=[]):
@@ -47,15 +83,17 @@ class HFEngine:
                 pad_token_id=self.pad_id,
                 output_scores=True,
                 return_dict_in_generate=True,
+                logits_processor=LogitsProcessorList([swap_point]),
             )
         new = out.sequences[:, width:]
         # `scores` are the processed logits the sampler drew from (temperature, top-p applied).
         logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        versions = swap_point.versions(new.shape[1])
         results: list[list[Generation]] = []
         for row in range(new.shape[0]):
             tokens = new[row].tolist()
             end = tokens.index(self.eos_id) + 1 if self.eos_id in tokens else len(tokens)
-            gen = Generation(token_ids=tokens[:end], logprobs=logprobs[row, :end].tolist())
+            gen = Generation(token_ids=tokens[:end], logprobs=logprobs[row, :end].tolist(), versions=versions[:end])
             if row % n == 0:
                 results.append([])
             results[-1].append(gen)
