@@ -69,6 +69,29 @@ class TrainerWorker:
         result.metrics["train_seconds"] = time.perf_counter() - t0
         return {"policy_version": self.trainer.version, "metrics": result.metrics, "kl_coef": result.kl_coef}
 
+    def save_state(self, local_dir: str, extra: dict) -> dict:
+        """Write the trainer state (weights, AdamW state, version, RNG; sharded, with
+        torch.distributed.checkpoint) into `local_dir`. Every rank calls (a collective)."""
+        from .checkpointing import checkpoint_bytes, save_trainer_state
+
+        t0 = time.perf_counter()
+        save_trainer_state(self.trainer, local_dir, extra)
+        return {"version": self.trainer.version, "seconds": time.perf_counter() - t0, "bytes": checkpoint_bytes(local_dir)}
+
+    def load_state(self, local_dir: str) -> dict:
+        """Restore a state `save_state` wrote, with any world size. Every rank calls."""
+        from .checkpointing import checkpoint_bytes, load_trainer_state
+
+        t0 = time.perf_counter()
+        extra = load_trainer_state(self.trainer, local_dir)
+        self._last = None  # a retry cache of the replaced state must not answer for the new one
+        return {
+            "version": self.trainer.version,
+            "seconds": time.perf_counter() - t0,
+            "bytes": checkpoint_bytes(local_dir),
+            "extra": extra,
+        }
+
     def weights(self) -> dict[str, np.ndarray] | None:
         """Full weights on rank 0 (every rank must call: unsharding is a collective)."""
         state = self.trainer.state_numpy()
