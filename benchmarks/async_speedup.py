@@ -164,7 +164,7 @@ def simulated(work: Path, steps: int, stage_seconds: float) -> dict[str, float]:
                 worker = Worker(env.client, task_queue="sim", workflows=[TrainingWorkflow], activities=sim.activities(), activity_executor=pool)
                 async with worker:
                     for mode, extra in MODES.items():
-                        cfg = load_config(RECIPE_PATH, [f"loop.steps={steps}", "data.eval_files=null", *extra], check_files=False)
+                        cfg = load_config(RECIPE_PATH, [f"loop.steps={steps}", "data.eval_files=null", "checkpoint.every=0", *extra], check_files=False)
                         inp = TrainingInput(run_id=f"sim-{mode}", config={}, plan=loop_plan(cfg))
                         sim.recorded.clear()
                         await env.client.execute_workflow("TrainingWorkflow", inp, id=f"sim-{mode}-{time.time_ns()}", task_queue="sim")

@@ -19,6 +19,9 @@ class RunRef:
 
     run_id: str
     run_uri: str
+    # A digest of the stored config: a resumed run with another config (say, another
+    # trainer world size) is a different cache key for the activities.
+    config_id: str = ""
 
 
 @dataclass
@@ -36,6 +39,9 @@ class LoopPlan:
     queue_limit: int = 2  # fully_async: most batches generated ahead of the trainer
     sync_every: int = 1  # fully_async: weight sync every this many updates
     partial_rollout: bool = False  # fully_async: syncs land inside generations in flight
+    checkpoint_every: int = 0  # steps between checkpoints (0: none)
+    continue_as_new_every: int = 0  # steps between continue-as-new (0: when Temporal suggests)
+    heartbeat_timeout_s: float = 30.0
 
 
 @dataclass
@@ -74,8 +80,11 @@ class TrainingInput:
     run_id: str
     config: dict[str, Any]
     plan: LoopPlan
-    # Set when the workflow continues as new: the state to carry on from.
+    # Set when the workflow continues as new, or a run resumes from a checkpoint: the
+    # state to carry on from.
     resume: RunState | None = None
+    # A resume from a checkpoint: store `config` again and rebuild the workers from it.
+    restore: bool = False
 
 
 @dataclass
@@ -105,7 +114,8 @@ class WarmupOutput:
 @dataclass
 class StartWorkersInput:
     run: RunRef
-    policy_uri: str
+    policy_uri: str  # "" on a resume: the run's initial policy
+    restore_version: int | None = None  # a resume: rebuild the trainer at this version
 
 
 @dataclass
@@ -207,6 +217,21 @@ class StepRecord:
     run: RunRef
     step: int
     metrics: dict[str, float]
+
+
+@dataclass
+class CheckpointInput:
+    run: RunRef
+    step: int  # steps done; the checkpoint is named after it
+    policy_version: int
+    state: RunState  # what a resume from this checkpoint carries on from
+
+
+@dataclass
+class CheckpointOutput:
+    name: str
+    stall_seconds: float  # how long training was held up (the upload is not waited for)
+    waited_seconds: float  # waiting for the previous checkpoint's upload first
 
 
 @dataclass

@@ -79,6 +79,7 @@ def test_history_has_one_activity_per_phase_per_step(grpo_run, platform):
         assert scheduled[phase] == STEPS, scheduled
     assert scheduled["prepare_run"] == scheduled["warmup"] == scheduled["start_workers"] == scheduled["finish_run"] == 1
     assert scheduled["evaluate"] == 2
+    assert scheduled["checkpoint"] == STEPS // 10  # checkpoint.every defaults to 10
 
 
 def test_history_replays_deterministically(grpo_run, platform):

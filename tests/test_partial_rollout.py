@@ -146,5 +146,5 @@ def test_without_partial_rollouts_a_sync_waits_for_the_generation(tiny_model, co
     t.join(10)
     out = done["out"]
     assert out["policy_version"] == out["policy_version_max"] == 0 and worker.version == 1
-    with pytest.raises(RuntimeError, match="holds policy v1, asked for v0"):
-        worker.generate(1, 2, 2, 0)
+    with pytest.raises(RuntimeError, match="holds policy v1, asked for v2"):
+        worker.generate(1, 2, 2, 2)

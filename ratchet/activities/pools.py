@@ -16,6 +16,7 @@ import ray
 from temporalio.exceptions import ApplicationError
 
 from ratchet.config.schema import RunConfig
+from ratchet.storage import ObjectStore
 from ratchet.workers.critic import CriticWorker
 from ratchet.workers.reward import RewardWorker
 from ratchet.workers.rollout import RolloutWorker, partial_rollouts
@@ -93,26 +94,38 @@ class RunPools:
         counts = wait([a.setup.remote(port) for a in ranks])
         return counts[0]
 
-    def trainers(self, expected_version: int, *, retrying_update: bool = False) -> list:
-        """The trainer ranks, checked to hold `expected_version` (or, for a retried train
-        attempt whose first try already updated, the version after it)."""
+    def trainers(self, expected_version: int, *, retrying_update: bool = False, at_least: bool = False) -> list:
+        """The trainer ranks, holding `expected_version` (or, for a retried train attempt
+        whose first try already updated, the version after it; with `at_least`, any newer
+        one). Ranks that were lost or hold another version are rebuilt from the last
+        checkpoint and the logged updates after it (recovery.py)."""
+        from .recovery import restore_trainers
+
         ranks = [self._find("trainer", r) for r in range(self.cfg.trainer.world_size)]
-        if any(a is None for a in ranks):
-            raise ApplicationError(
-                f"run {self.run_id}: a trainer rank is gone and its state with it; "
-                "restoring from a checkpoint is not available in this version",
-                type=WORKER_LOST,
-                non_retryable=True,
-            )
-        held = wait(ranks[0].policy_version.remote())
-        if held != expected_version and not (retrying_update and held == expected_version + 1):
-            raise ApplicationError(
-                f"run {self.run_id}: trainer holds policy v{held}, the workflow expects v{expected_version} "
-                "(or the update from it, when a train attempt is retried)",
-                type=WORKER_LOST,
-                non_retryable=True,
-            )
-        return ranks
+        if all(a is not None for a in ranks):
+            try:
+                held = wait(ranks[0].policy_version.remote())
+            except ray.exceptions.RayActorError:
+                held = None  # died just now
+            if held == expected_version or (retrying_update and held == expected_version + 1):
+                return ranks
+            if at_least and held is not None and held > expected_version:
+                return ranks
+            log.warning("run %s: trainer holds v%s, the workflow expects v%d; restoring", self.run_id, held, expected_version)
+        else:
+            log.warning("run %s: a trainer rank is gone; restoring it", self.run_id)
+        return restore_trainers(self, expected_version)
+
+    def kill_trainers(self) -> None:
+        """Every trainer rank of the run, whatever world size it was started with."""
+        prefix = self.name("trainer", 0)[:-1]
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix):
+                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+
+    def initial_policy(self) -> str:
+        """The weights RL starts from: the warmed-up model if the run has a warm-up."""
+        return ObjectStore(self.run_uri).uri("warmup/model") if self.cfg.warmup.steps > 0 else self.cfg.model.path
 
     # -- rollout and reward --------------------------------------------------------------
 
@@ -133,9 +146,10 @@ class RunPools:
         if actor is None:
             log.warning("run %s: rollout worker lost; recreating it", self.run_id)
             actor = self.start_rollout(policy_path)
-        held = wait(actor.policy_version.remote())
-        if held != expected_version and not (held > expected_version and partial_rollouts(self.cfg)):
-            self.sync_weights(expected_version, actor)
+        if wait(actor.policy_version.remote()) < expected_version:
+            # A recreated worker serves v0: bring it to what the trainer holds now, which in
+            # fully_async may be newer than this batch asked for (the batch records it).
+            self._push_weights(self.trainers(expected_version, at_least=True), actor)
         return actor
 
     def start_critic(self):
@@ -151,21 +165,23 @@ class RunPools:
     def reward(self, policy_path: str):
         return self._find("reward") or self.start_reward(policy_path)
 
-    def sync_weights(self, version: int, rollout=None) -> int:
-        """Trainer weights -> rollout engine through Ray's object store (never via this
-        process: the ObjectRef is passed on and resolved in the rollout actor). Returns bytes moved."""
-        ranks = self.trainers(version)
+    def sync_weights(self, version: int) -> int:
+        """Trainer weights v`version` -> the rollout engine; returns bytes moved."""
+        target = self._find("rollout") or self.start_rollout(self.initial_policy())
+        return self._push_weights(self.trainers(version), target)[0]
+
+    def _push_weights(self, ranks: list, target) -> tuple[int, int]:
+        """Through Ray's object store (never via this process: the ObjectRef is passed on and
+        resolved in the rollout actor). Returns (bytes moved, version)."""
+        version = wait(ranks[0].policy_version.remote())
         refs = [a.weights.remote() for a in ranks]
-        target = rollout or self._find("rollout")
-        if target is None:
-            raise ApplicationError(f"run {self.run_id}: no rollout worker to sync", type=WORKER_LOST)
         received = wait(target.load_weights.remote(refs[0], version))
         wait(refs[1:])
-        return received
+        return received, version
 
     def shutdown(self) -> list[str]:
         killed = []
-        roles = [("rollout", 0), ("reward", 0), ("critic", 0)] + [("trainer", r) for r in range(self.cfg.trainer.world_size)]
+        roles = [("rollout", 0), ("reward", 0), ("critic", 0)] + [("trainer", r) for r in range(max(2, self.cfg.trainer.world_size))]
         for role, rank in roles:
             actor = self._find(role, rank)
             if actor is not None:

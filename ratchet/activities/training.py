@@ -7,17 +7,22 @@ any activity of any run, and a retry redoes exactly the same work.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from functools import lru_cache
 
 import ray
+import temporalio.converter
 from temporalio import activity
 
 from ratchet.config.schema import RunConfig
 from ratchet.storage import MetricsLog, ObjectStore
 from ratchet.types import (
     BatchRef,
+    CheckpointInput,
+    CheckpointOutput,
     EvalInput,
     EvalOutput,
     FinishInput,
@@ -44,24 +49,24 @@ from .pools import RunPools
 from .ray_calls import wait
 
 log = logging.getLogger(__name__)
+# Run states go into checkpoints as the same JSON Temporal would carry them in.
+PAYLOADS = temporalio.converter.default().payload_converter
 
 CONFIG_KEY = "config.json"
 
 
 @lru_cache(maxsize=64)
-def _run_config(run_uri: str) -> RunConfig:
-    # The config is immutable for a run's life, so caching by folder is safe.
+def _run_config(run_uri: str, config_id: str = "") -> RunConfig:
+    # A stored config never changes under its id (a resume with a new one gets a new id).
     return RunConfig.model_validate(ObjectStore(run_uri).get_json(CONFIG_KEY))
 
 
+def config_digest(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def pools_for(run: RunRef) -> RunPools:
-    return RunPools(run.run_id, run.run_uri, _run_config(run.run_uri))
-
-
-def policy_source(run: RunRef) -> str:
-    """The weights RL starts from: the warmed-up model if the run has a warm-up."""
-    cfg = _run_config(run.run_uri)
-    return ObjectStore(run.run_uri).uri("warmup/model") if cfg.warmup.steps > 0 else cfg.model.path
+    return RunPools(run.run_id, run.run_uri, _run_config(run.run_uri, run.config_id))
 
 
 @activity.defn(name="prepare_run")
@@ -69,13 +74,14 @@ def prepare_run(inp: PrepareInput) -> PrepareOutput:
     """Create the run folder and store the (already validated) config in it."""
     cfg = RunConfig.model_validate(inp.config)
     run_store = ObjectStore(cfg.storage.root).child(inp.run_id)
-    run_store.put_json(CONFIG_KEY, cfg.model_dump(mode="json"))
-    return PrepareOutput(run=RunRef(run_id=inp.run_id, run_uri=run_store.url))
+    stored = cfg.model_dump(mode="json")
+    run_store.put_json(CONFIG_KEY, stored)
+    return PrepareOutput(run=RunRef(run_id=inp.run_id, run_uri=run_store.url, config_id=config_digest(stored)))
 
 
 @activity.defn(name="warmup")
 def warmup(inp: WarmupInput) -> WarmupOutput:
-    cfg = _run_config(inp.run.run_uri)
+    cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     if cfg.warmup.steps == 0:
         return WarmupOutput(policy_uri=cfg.model.path, loss_first=0.0, loss_last=0.0, seconds=0.0)
     task = ray.remote(warmup_policy).options(num_cpus=cfg.resources.trainer_cpus, max_retries=0)
@@ -85,9 +91,19 @@ def warmup(inp: WarmupInput) -> WarmupOutput:
 
 @activity.defn(name="start_workers")
 def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
+    """Create the run's actors. On a resume from a checkpoint (`restore_version` set), first
+    release whatever actors the run still has, and rebuild the trainer at that version."""
     t0 = time.perf_counter()
     pools = pools_for(inp.run)
     pools.check_resources()
+    if inp.restore_version is not None:
+        pools.shutdown()
+        pools.trainers(inp.restore_version)
+        source = pools.initial_policy()
+        wait([pools.start_rollout(source).policy_version.remote(), pools.start_reward(source).__ray_ready__.remote()])
+        if pools.cfg.uses_critic:  # the critic's own state is not checkpointed: it starts afresh
+            wait(pools.start_critic().__ray_ready__.remote())
+        return StartWorkersOutput(policy_version=inp.restore_version, num_parameters=0, seconds=time.perf_counter() - t0)
     n_params = pools.start_trainers(inp.policy_uri)
     ready = [pools.start_rollout(inp.policy_uri).policy_version.remote(), pools.start_reward(inp.policy_uri).__ray_ready__.remote()]
     if pools.cfg.uses_critic:
@@ -99,7 +115,7 @@ def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
 @activity.defn(name="generate")
 def generate(inp: RolloutInput) -> BatchRef:
     pools = pools_for(inp.run)
-    rollout = pools.rollout(inp.policy_version, policy_source(inp.run))
+    rollout = pools.rollout(inp.policy_version, pools.initial_policy())
     out = wait(rollout.generate.remote(inp.step, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part))
     return BatchRef(
         run_id=inp.run.run_id,
@@ -118,7 +134,8 @@ def generate(inp: RolloutInput) -> BatchRef:
 
 @activity.defn(name="score")
 def score(inp: ScoreInput) -> ScoreOutput:
-    out = wait(pools_for(inp.run).reward(policy_source(inp.run)).score.remote(inp.batch.step, "batches", inp.batch.part))
+    pools = pools_for(inp.run)
+    out = wait(pools.reward(pools.initial_policy()).score.remote(inp.batch.step, "batches", inp.batch.part))
     return ScoreOutput(
         reward_mean=out["reward_mean"],
         reward_std=out["reward_std"],
@@ -156,12 +173,27 @@ def sync_weights(inp: SyncInput) -> SyncOutput:
 @activity.defn(name="evaluate")
 def evaluate(inp: EvalInput) -> EvalOutput:
     """Greedy answers on the fixed eval prompts, scored by the reward worker."""
-    cfg = _run_config(inp.run.run_uri)
+    cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     pools = pools_for(inp.run)
-    source = policy_source(inp.run)
+    source = pools.initial_policy()
     gen = wait(pools.rollout(inp.policy_version, source).generate_eval.remote(inp.step, cfg.data.eval_size))
     out = wait(pools.reward(source).score.remote(inp.step, "evals"))
     return EvalOutput(step=inp.step, reward_mean=out["reward_mean"], num_samples=gen["num_samples"])
+
+
+@activity.defn(name="checkpoint")
+def checkpoint(inp: CheckpointInput) -> CheckpointOutput:
+    """Snapshot the trainer state; the ranks write, export and upload it in the background,
+    and the manifest committed last makes it exist (workers/trainer.py)."""
+    pools = pools_for(inp.run)
+    ranks = pools.trainers(inp.policy_version)
+    run_state = json.loads(PAYLOADS.to_payloads([inp.state])[0].data)
+    outs = wait([a.start_checkpoint.remote(inp.step, run_state) for a in ranks])
+    return CheckpointOutput(
+        name=outs[0]["name"],
+        stall_seconds=max(o["stall_seconds"] for o in outs),
+        waited_seconds=max(o["waited_seconds"] for o in outs),
+    )
 
 
 @activity.defn(name="record_step")
@@ -172,15 +204,20 @@ def record_step(inp: StepRecord) -> None:
 @activity.defn(name="finish_run")
 def finish_run(inp: FinishInput) -> FinishOutput:
     """Export the final policy and release the run's actors."""
-    cfg = _run_config(inp.run.run_uri)
+    cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     pools = pools_for(inp.run)
     uri = ""
+    ranks = pools.trainers(inp.policy_version)
+    for out in wait([a.wait_checkpoint.remote() for a in ranks]):  # the last upload lands first
+        if out["error"]:
+            log.warning("run %s: the last checkpoint failed: %s", inp.run.run_id, out["error"])
     if cfg.checkpoint.export_final:
-        ranks = pools.trainers(inp.policy_version)
         uri = wait([a.export.remote("final/model") for a in ranks])[0]
     killed = pools.shutdown()
     log.info("run %s finished; released %s", inp.run.run_id, ", ".join(killed))
     return FinishOutput(final_policy_uri=uri)
 
 
-ALL_ACTIVITIES = [prepare_run, warmup, start_workers, generate, score, train, sync_weights, evaluate, record_step, finish_run]
+ALL_ACTIVITIES = [
+    prepare_run, warmup, start_workers, generate, score, train, sync_weights, evaluate, checkpoint, record_step, finish_run,
+]  # fmt: skip

@@ -167,10 +167,22 @@ class LoopConfig(Section):
     steps: int = Field(20, ge=1, description="RL steps to run.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per rollout batch (samples = prompts * rollout.n).")
     eval_every: int = Field(0, ge=0, description="Greedy evaluation every this many steps (0: only before and after).")
+    continue_as_new_every: int = Field(
+        0, ge=0, description="Continue the workflow as new every this many steps (0: only when Temporal suggests it)."
+    )
+    heartbeat_timeout_s: float = Field(
+        30.0, gt=1, description="An activity whose worker process stops heartbeating for this long is retried elsewhere."
+    )
 
 
 class CheckpointConfig(Section):
     export_final: bool = Field(True, description="Export the final policy in Hugging Face format to the run folder.")
+    every: int = Field(
+        10, ge=0, description="Checkpoint (trainer state, HF export, run state) every this many steps; 0: never. "
+        "A lost trainer is rebuilt from the last one plus a replay of the stored batches after it."
+    )
+    keep_last: int = Field(3, ge=1, description="Retention: keep the last this many checkpoints...")
+    keep_every: int = Field(0, ge=0, description="...and every checkpoint whose step is a multiple of this (0: none).")
 
 
 class StorageConfig(Section):
@@ -194,6 +206,11 @@ class RunConfig(Section):
     """A whole training run. YAML plus dotted overrides, merged with OmegaConf."""
 
     seed: int = Field(0, description="Seed for sampling, data order and initialisation.")
+    deterministic: bool = Field(
+        False,
+        description="Deterministic torch kernels in the workers (sampling is always seeded per batch): with loop.mode "
+        "sync or one_step_off, a run that was killed and recovered ends with the same weights as one that was not.",
+    )
     model: ModelConfig
     data: DataConfig
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -172,10 +172,53 @@ def pause(run_id: str) -> None:
     _signal(run_id, "pause")
 
 
+RootOption = typer.Option(None, "--root", help="The run's storage.root (default .ratchet/runs).")
+
+
 @app.command()
-def resume(run_id: str) -> None:
-    """Resume a paused run."""
-    _signal(run_id, "resume")
+def resume(
+    run_id: str,
+    overrides: Optional[List[str]] = typer.Argument(None, help="Config changes for a resume from a checkpoint, e.g. trainer.world_size=2."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint name (default: the latest good one)."),
+    root: Optional[str] = RootOption,
+) -> None:
+    """Resume a paused run; or continue a stopped or failed run from a checkpoint."""
+    from .client import Client
+
+    client = Client.connect()
+    handle = client.get(run_id)
+    if handle.running():
+        if overrides or checkpoint:
+            typer.secho(f"run {run_id} is still running: stop it before resuming it from a checkpoint", err=True, fg="red")
+            raise typer.Exit(2)
+        _signal(run_id, "resume")
+    try:
+        handle = _exit_on_config_error(client.resume, run_id, overrides or [], root=root, checkpoint=checkpoint)
+    except (FileNotFoundError, ValueError) as exc:
+        typer.secho(str(exc), err=True, fg="red")
+        raise typer.Exit(2)
+    console.print(f"resumed run [bold]{run_id}[/bold] from its checkpoint")
+    _flush_and_exit(0)
+
+
+@app.command()
+def checkpoints(run_id: str, root: Optional[str] = RootOption) -> None:
+    """List a run's committed checkpoints, oldest first, and whether each is intact."""
+    from rich.table import Table
+
+    from ratchet.storage import CheckpointStore, ObjectStore
+
+    store = CheckpointStore(ObjectStore(root or ".ratchet/runs").child(run_id))
+    table = Table(title=f"checkpoints of {run_id}")
+    for col in ("name", "step", "policy version", "world size", "MB", "created", "intact"):
+        table.add_column(col)
+    for info in store.list():
+        table.add_row(
+            info.name, str(info.step), str(info.meta.get("policy_version")), str(info.meta.get("world_size")),
+            f"{info.total_bytes / 1e6:.1f}", info.created, "yes" if store.verify(info.name) else "[red]no[/red]",
+        )  # fmt: skip
+    console.print(table)
+    _flush_and_exit(0)
 
 
 @app.command()

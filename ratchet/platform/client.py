@@ -26,6 +26,12 @@ WORKFLOW = "TrainingWorkflow"
 RECIPE_PATH = Path(__file__).resolve().parents[2] / "examples" / "copy_grpo.yaml"
 
 
+def _json_payload(data: bytes):
+    from temporalio.api.common.v1 import Payload
+
+    return Payload(metadata={"encoding": b"json/plain"}, data=data)
+
+
 def make_run_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
 
@@ -43,6 +49,9 @@ def loop_plan(cfg) -> LoopPlan:
         queue_limit=cfg.loop.queue_limit,
         sync_every=cfg.loop.sync_every,
         partial_rollout=cfg.rollout.partial_rollout and cfg.loop.mode == "fully_async",
+        checkpoint_every=cfg.checkpoint.every,
+        continue_as_new_every=cfg.loop.continue_as_new_every,
+        heartbeat_timeout_s=cfg.loop.heartbeat_timeout_s,
     )
 
 
@@ -98,6 +107,17 @@ class RunHandle:
         """Batches in flight and ready, with the policy version of each."""
         return self.client._run(self._handle().query("batches", result_type=list[BatchStatus]))
 
+    def running(self) -> bool:
+        """Whether the run's workflow is open (running or paused)."""
+        from temporalio.client import WorkflowExecutionStatus
+        from temporalio.service import RPCError
+
+        try:
+            desc = self.client._run(self._handle().describe())
+        except RPCError:
+            return False  # never started here
+        return desc.status == WorkflowExecutionStatus.RUNNING
+
     def cancel(self) -> None:
         self.client._run(self._handle().cancel())
 
@@ -146,6 +166,34 @@ class Client:
                 memo={"tags": cfg.tracking.tags, "model": cfg.model.path, "steps": cfg.loop.steps},
             )
         )
+        return RunHandle(self, run_id)
+
+    def resume(
+        self, run_id: str, overrides: Sequence[str] = (), *, root: str | None = None, checkpoint: str | None = None
+    ) -> RunHandle:
+        """Continue a stopped or failed run from a checkpoint (the latest good one unless
+        named), with its stored config plus `overrides` (say `trainer.world_size=2`). The
+        run keeps its id and folder; the steps after the checkpoint are done again."""
+        from temporalio.converter import default as default_converter
+
+        from ratchet.config import load_config
+        from ratchet.storage import CheckpointStore, ObjectStore
+        from ratchet.types import RunState
+
+        run_store = ObjectStore(root or ".ratchet/runs").child(run_id)
+        if not run_store.exists("config.json"):
+            raise FileNotFoundError(f"no run {run_id!r} under {root or '.ratchet/runs'} (pass --root, the run's storage.root)")
+        cfg = load_config(None, overrides, base=run_store.get_json("config.json"))
+        checkpoints = CheckpointStore(run_store)
+        info = checkpoints.get(checkpoint) if checkpoint else checkpoints.latest()
+        if info is None:
+            raise FileNotFoundError(f"run {run_id!r} has no valid checkpoint to resume from (checkpoint.every was 0?)")
+        if not checkpoints.verify(info.name):
+            raise ValueError(f"checkpoint {info.name!r} of run {run_id!r} is corrupted; pick another (ratchet checkpoints {run_id})")
+        raw = run_store.get_bytes(f"{checkpoints.prefix}/{info.name}/run_state.json")
+        state = default_converter().payload_converter.from_payloads([_json_payload(raw)], [RunState])[0]
+        inp = TrainingInput(run_id=run_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg), resume=state, restore=True)
+        self._run(self._temporal.start_workflow(WORKFLOW, inp, id=run_id, task_queue=self.task_queue))
         return RunHandle(self, run_id)
 
     def get(self, run_id: str) -> RunHandle:

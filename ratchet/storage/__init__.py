@@ -1,7 +1,18 @@
-"""Object storage: an fsspec-backed store, and the batch store on top of it."""
+"""Object storage: a store over local folders, S3 and MinIO, and the batch, metrics and
+checkpoint stores on top of it."""
 
 from .batch_store import BatchStore
+from .checkpoint_store import CheckpointInfo, CheckpointStore, CorruptCheckpoint
 from .metrics_log import MetricsLog
-from .object_store import ObjectStore
+from .object_store import ObjectStore, StoreUnavailable, Transfer
 
-__all__ = ["BatchStore", "MetricsLog", "ObjectStore"]
+__all__ = [
+    "BatchStore",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "CorruptCheckpoint",
+    "MetricsLog",
+    "ObjectStore",
+    "StoreUnavailable",
+    "Transfer",
+]

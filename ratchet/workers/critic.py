@@ -92,7 +92,7 @@ class CriticWorker:
     """Ray actor around `CriticTrainer`, reading and writing the batch store."""
 
     def __init__(self, cfg: RunConfig, run_uri: str):
-        configure_worker_process(cfg.resources.torch_threads)
+        configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.trainer = CriticTrainer(cfg)
         self.run = ObjectStore(run_uri)
         # A retried train activity must not fit the critic twice on one step.

@@ -22,7 +22,7 @@ class RewardWorker:
     def __init__(self, cfg: RunConfig, tokenizer_path: str, run_uri: str):
         from transformers import AutoTokenizer
 
-        configure_worker_process(cfg.resources.torch_threads)
+        configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         r = cfg.reward
         self.cfg = r
         self.reward_fn = load_reward_fn(r.function) if r.function else None

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, policy_path: str, run_uri: str):
-        configure_worker_process(cfg.resources.torch_threads)
+        configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg = cfg
         self.engine = ENGINES[cfg.rollout.engine](local_hf_path(policy_path), dtype=cfg.model.dtype)
         tok = self.engine.tokenizer
@@ -57,7 +57,9 @@ class RolloutWorker:
 
     def generate(self, step: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0) -> dict:
         with self._generation(swappable=True) as (version, swap):
-            if policy_version != version and not (self.partial and policy_version < version):
+            # Newer weights than asked for are fine (a sync landed first, or the worker was
+            # recreated from the trainer): the batch records the versions it really used.
+            if policy_version > version:
                 raise RuntimeError(f"rollout worker holds policy v{version}, asked for v{policy_version}")
             return self._generate(step, prompt_start, prompt_count, version, part, swap)
 

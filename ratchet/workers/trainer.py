@@ -1,22 +1,55 @@
 """Trainer worker (a Ray actor, one per rank): runs `PolicyTrainer` on stored batches and
 hands out its weights for the rollout engines. Ranks > 1 form a gloo process group and
-the policy is sharded with FSDP2."""
+the policy is sharded with FSDP2.
+
+Every update is logged (`train_log/v<version>.json`: which stored batch, how many parts,
+the KL coefficient), so a lost trainer is rebuilt from the last checkpoint plus a replay
+of the updates after it (activities/recovery.py). Checkpoints are taken without stalling
+training for the upload: a snapshot of the state is copied to memory, and a background
+thread writes it (torch.distributed.checkpoint), exports the policy in Hugging Face
+format, uploads the folder and commits its manifest last (storage/checkpoint_store.py).
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 import socket
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ratchet.config.schema import RunConfig
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
 
 from .batch import load_step
 from .hf_io import local_hf_path, save_hf
 from .policy_update import PolicyTrainer
 from .runtime import configure_worker_process
+
+
+log = logging.getLogger(__name__)
+
+TRAIN_LOG = "train_log"
+
+
+def train_log_key(policy_version: int) -> str:
+    """The record of the update that turned policy v`policy_version` into the next one."""
+    return f"{TRAIN_LOG}/v{policy_version:08d}.json"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def staging_dir(run_id: str, name: str) -> Path:
+    """Where the ranks of one node write a checkpoint before it is uploaded."""
+    return Path(tempfile.gettempdir()) / "ratchet-staging" / run_id / name
 
 
 def free_port() -> int:
@@ -27,12 +60,14 @@ def free_port() -> int:
 
 class TrainerWorker:
     def __init__(self, cfg: RunConfig, policy_path: str, run_uri: str, rank: int, world_size: int):
-        configure_worker_process(cfg.resources.torch_threads)
+        configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.policy_path = local_hf_path(policy_path)
         self.run = ObjectStore(run_uri)
         self.trainer: PolicyTrainer | None = None
         self._last = None  # ((step, version it trained), StepResult) of the latest update
+        self._checkpointing: threading.Thread | None = None  # the background write and upload
+        self._checkpoint_error: str | None = None
 
     def rendezvous_port(self) -> int:
         return free_port()
@@ -66,6 +101,7 @@ class TrainerWorker:
             self._last = ((step, policy_version), result)
         if self.rank == 0:
             store.write(step, "advantages", {"advantages": result.advantages, "returns": result.returns}, {})
+            self.run.put_json(train_log_key(policy_version), {"batch": step, "parts": parts, "kl_coef": kl_coef})
         result.metrics["train_seconds"] = time.perf_counter() - t0
         return {"policy_version": self.trainer.version, "metrics": result.metrics, "kl_coef": result.kl_coef}
 
@@ -91,6 +127,69 @@ class TrainerWorker:
             "bytes": checkpoint_bytes(local_dir),
             "extra": extra,
         }
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def start_checkpoint(self, step: int, run_state: dict) -> dict:
+        """Snapshot the state (the only stall), then write, export and upload it in the
+        background. Every rank calls (the snapshot and the write are collectives)."""
+        from .checkpointing import snapshot
+
+        waited = self.wait_checkpoint()["seconds"]  # one checkpoint in flight at a time
+        t0 = time.perf_counter()
+        name = checkpoint_name(step)
+        meta = {"step": step, "policy_version": self.trainer.version, "world_size": self.world_size}
+        snap = snapshot(self.trainer, meta)
+        full = {k: v.clone() for k, v in self.trainer.full_state().items()}  # for the HF export
+        stall = time.perf_counter() - t0
+        job = threading.Thread(
+            target=self._write_checkpoint, args=(snap, full if self.rank == 0 else None, name, meta, run_state), daemon=True
+        )
+        self._checkpointing, self._checkpoint_error = job, None
+        job.start()
+        return {"name": name, "stall_seconds": stall, "waited_seconds": waited, "policy_version": self.trainer.version}
+
+    def _write_checkpoint(self, snap, full_state, name: str, meta: dict, run_state: dict) -> None:
+        from .checkpointing import write_snapshot
+
+        local = staging_dir(self.run.root.rpartition("/")[2], name)
+        try:
+            write_snapshot(snap, local / "trainer")  # all ranks; done everywhere on return
+            if self.rank != 0:
+                return
+            self._export_local(full_state, local / "hf")
+            (local / "run_state.json").write_text(json.dumps(run_state, sort_keys=True))
+            ckpts = CheckpointStore(self.run)
+            ckpts.commit(name, local, meta)
+            c = self.cfg.checkpoint
+            ckpts.apply_retention(keep_last=c.keep_last, keep_every=c.keep_every)
+        except Exception as e:  # noqa: BLE001 - reported by wait_checkpoint; the run goes on
+            log.exception("checkpoint %s failed", name)
+            self._checkpoint_error = f"{name}: {type(e).__name__}: {e}"
+        finally:
+            if self.rank == 0:
+                shutil.rmtree(local, ignore_errors=True)
+
+    def _export_local(self, state: dict, out: Path) -> None:
+        """The policy as a Hugging Face folder (safetensors), loadable by from_pretrained and vLLM."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(self.policy_path)
+        model.load_state_dict(state, strict=False)
+        model.save_pretrained(out, safe_serialization=True)
+        AutoTokenizer.from_pretrained(self.policy_path).save_pretrained(out)
+
+    def wait_checkpoint(self) -> dict:
+        """Wait for the checkpoint in flight (if any) to be committed; its error, if it failed."""
+        t0 = time.perf_counter()
+        if self._checkpointing is not None:
+            self._checkpointing.join()
+            self._checkpointing = None
+        return {"seconds": time.perf_counter() - t0, "error": self._checkpoint_error}
+
+    def restore(self, local_dir: str) -> int:
+        """Load a downloaded checkpoint's trainer state (any world size); the version it holds."""
+        return self.load_state(str(Path(local_dir) / "trainer"))["version"]
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """Full weights on rank 0 (every rank must call: unsharding is a collective)."""

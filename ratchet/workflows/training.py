@@ -28,6 +28,8 @@ from temporalio.common import RetryPolicy
 
 from ratchet.types import (
     BatchRef,
+    CheckpointInput,
+    CheckpointOutput,
     BatchStatus,
     EvalInput,
     EvalOutput,
@@ -65,8 +67,8 @@ RETRY = RetryPolicy(
     non_retryable_error_types=["ConfigError", "WorkerLost", "RewardLoadError"],
 )
 # Activities heartbeat every second while they wait on Ray (activities/ray_calls.py); a
-# worker process that died is noticed after HEARTBEAT, not after the whole timeout.
-HEARTBEAT = timedelta(seconds=30)
+# worker process that died is noticed after `loop.heartbeat_timeout_s`, not after the
+# whole timeout, and its activity is retried on another worker.
 
 
 @dataclass
@@ -86,6 +88,7 @@ PHASES = {
     "train": Phase(timedelta(minutes=30)),
     "sync_weights": Phase(timedelta(minutes=10)),
     "evaluate": Phase(timedelta(minutes=30)),
+    "checkpoint": Phase(timedelta(minutes=10)),
     "record_step": Phase(timedelta(minutes=1), heartbeat=False),
     "finish_run": Phase(timedelta(minutes=10)),
 }
@@ -110,6 +113,7 @@ class TrainingWorkflow:
         self._paused = False
         self._stopping = False
         self._in_flight: dict[int, int] = {}  # batch index -> version generating it
+        self._in_flight_prompts: dict[int, list[int]] = {}  # batch index -> prompt starts taken
         # The rollout engine runs one thing at a time: a generation, a weight sync or an
         # evaluation. The lock keeps the workflow's idea of its version exact.
         self._rollout_lock = asyncio.Lock()
@@ -162,7 +166,12 @@ class TrainingWorkflow:
     @workflow.run
     async def run(self, inp: TrainingInput) -> RunSummary:
         self._run_id, self._plan = inp.run_id, inp.plan
-        self._state = inp.resume if inp.resume is not None else await self._begin(inp)
+        if inp.resume is None:
+            self._state = await self._begin(inp)
+        elif inp.restore:
+            self._state = await self._restore(inp)
+        else:
+            self._state = inp.resume
         state, plan = self._state, self._plan
         loop = {"sync": self._sync_loop, "one_step_off": self._one_step_off_loop, "fully_async": self._fully_async_loop}[plan.mode]
         if await loop(state, plan):
@@ -200,6 +209,17 @@ class TrainingWorkflow:
         self._state = state
         if start.plan.evaluate:
             await self._evaluate(state, 0)
+        return state
+
+    async def _restore(self, start: TrainingInput) -> RunState:
+        """A resume from a checkpoint's run state: store the (possibly changed) config and
+        rebuild the workers at the checkpoint's version."""
+        state = start.resume
+        prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config), PrepareOutput)
+        state.run = prep.run
+        await self._call("start_workers", StartWorkersInput(prep.run, "", restore_version=state.policy_version), StartWorkersOutput)
+        state.rollout_version = 0
+        self._state = state
         return state
 
     # -- the three loops; each returns True when the run should continue as new -----------
@@ -301,7 +321,10 @@ class TrainingWorkflow:
         return not self._stopping
 
     def _continue_as_new_suggested(self, state: RunState, plan: LoopPlan) -> bool:
-        return workflow.info().is_continue_as_new_suggested() and state.next_step < plan.steps
+        if state.next_step >= plan.steps:
+            return False
+        every = plan.continue_as_new_every
+        return workflow.info().is_continue_as_new_suggested() or bool(every and state.next_step % every == 0)
 
     async def _call(self, phase: str, arg, result_type):
         self._phase = phase
@@ -311,15 +334,17 @@ class TrainingWorkflow:
             arg,
             result_type=result_type,
             start_to_close_timeout=p.timeout,
-            heartbeat_timeout=HEARTBEAT if p.heartbeat else None,
+            heartbeat_timeout=timedelta(seconds=self._plan.heartbeat_timeout_s) if p.heartbeat else None,
             retry_policy=RETRY,
         )
 
-    def _take_prompts(self, state: RunState, plan: LoopPlan) -> int:
+    def _take_prompts(self, state: RunState, plan: LoopPlan, index: int) -> int:
         if state.retry_prompts:
-            return state.retry_prompts.pop(0)
-        start = state.next_prompt
-        state.next_prompt += plan.prompts_per_step
+            start = state.retry_prompts.pop(0)
+        else:
+            start = state.next_prompt
+            state.next_prompt += plan.prompts_per_step
+        self._in_flight_prompts[index].append(start)
         return start
 
     async def _rollout(self, state: RunState, plan: LoopPlan) -> list[ScoredBatch]:
@@ -331,6 +356,7 @@ class TrainingWorkflow:
         informative = 0
         async with self._rollout_lock:
             self._in_flight[index] = state.rollout_version
+            self._in_flight_prompts[index] = []
             try:
                 for part in range(plan.sampling_rounds):
                     batch: BatchRef = await self._call(
@@ -338,7 +364,7 @@ class TrainingWorkflow:
                         RolloutInput(
                             run=state.run,
                             step=index,
-                            prompt_start=self._take_prompts(state, plan),
+                            prompt_start=self._take_prompts(state, plan, index),
                             prompt_count=plan.prompts_per_step,
                             policy_version=state.rollout_version,
                             part=part,
@@ -353,6 +379,7 @@ class TrainingWorkflow:
                         break
             finally:
                 del self._in_flight[index]
+                del self._in_flight_prompts[index]
         return rounds
 
     async def _train(self, state: RunState, rounds: list[ScoredBatch]) -> TrainOutput:
@@ -375,6 +402,15 @@ class TrainingWorkflow:
         synced: SyncOutput = await self._call("sync_weights", SyncInput(state.run, state.policy_version), SyncOutput)
         state.rollout_version = synced.policy_version
         return synced
+
+    async def _checkpoint(self, state: RunState) -> CheckpointOutput:
+        """The trainer state now, with the run state a resume carries on from. Batches still
+        being generated are not in it: their prompts are queued to be rolled out again."""
+        in_flight = [p for starts in self._in_flight_prompts.values() for p in starts]
+        snapshot = replace(state, retry_prompts=[*state.retry_prompts, *in_flight], ready=list(state.ready))
+        return await self._call(
+            "checkpoint", CheckpointInput(state.run, state.next_step, state.policy_version, snapshot), CheckpointOutput
+        )
 
     async def _evaluate(self, state: RunState, step: int) -> None:
         # Evaluation loads the trainer's weights into the rollout engine if it serves older ones.
@@ -428,6 +464,9 @@ class TrainingWorkflow:
             **{k: v for k, v in trained.metrics.items() if k not in ("response_length", "train_seconds")},
         }
         self._rollout_busy_seconds = 0.0
+        if plan.checkpoint_every and state.next_step % plan.checkpoint_every == 0:
+            saved = await self._checkpoint(state)
+            metrics["checkpoint_stall_seconds"] = saved.stall_seconds + saved.waited_seconds
         if plan.evaluate and plan.eval_every and state.next_step % plan.eval_every == 0:
             await self._evaluate(state, state.next_step)
             metrics["eval_reward"] = state.eval_rewards[str(state.next_step)]

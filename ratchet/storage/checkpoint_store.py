@@ -1,0 +1,316 @@
+"""Checkpoints in object storage: folders of files committed by a manifest.
+
+`{prefix}/{name}/` holds the files of a local checkpoint folder (relative paths kept) and
+`{prefix}/{name}/MANIFEST.json`, written last, with each file's size and sha256, the
+caller's metadata and a timestamp. A checkpoint without a manifest does not exist
+(DESIGN.md, rule 3): a writer that dies mid-upload leaves only invisible leftovers, which
+`apply_retention` removes later. Readers that must not trust storage blindly (a restore
+after a crash) use `latest()` / `download(verify=True)`, which check every byte against the
+manifest and fall back to the previous good checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .object_store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+FORMAT = "ratchet-checkpoint/1"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]{0,199}$")
+
+
+class CorruptCheckpoint(ValueError):
+    """Stored bytes do not match the checkpoint's manifest (or the manifest is unreadable)."""
+
+    def __init__(self, name: str, problems: list[str]):
+        self.name = name
+        self.problems = problems
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        super().__init__(f"checkpoint {name!r} is corrupted: {shown}")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint, as its manifest describes it. `files` maps each relative
+    path to {"size": bytes, "sha256": hex}; `step` is `meta["step"]` when it is an integer."""
+
+    name: str
+    step: int | None
+    files: dict[str, dict[str, Any]]
+    total_bytes: int
+    meta: dict[str, Any]
+    created: str
+    uri: str = field(default="", compare=False)
+
+
+def _step_of(meta: dict) -> int | None:
+    step = meta.get("step")
+    if isinstance(step, bool):
+        return None
+    if isinstance(step, int):
+        return step
+    if isinstance(step, float) and step.is_integer():
+        return int(step)
+    return None
+
+
+def _sort_key(info: CheckpointInfo) -> tuple:
+    # Checkpoints with a step sort by it (after any without one, which sort by name).
+    return (info.step is not None, info.step if info.step is not None else 0, info.name)
+
+
+class CheckpointStore:
+    def __init__(self, store: ObjectStore, prefix: str = "checkpoints"):
+        self.store = store
+        self.prefix = prefix.strip("/")
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.store.uri(self.prefix)!r})"
+
+    def _key(self, name: str, rel: str = "") -> str:
+        return f"{self.prefix}/{name}/{rel}" if rel else f"{self.prefix}/{name}"
+
+    @staticmethod
+    def _check_name(name: str) -> None:
+        if not isinstance(name, str) or not _NAME.match(name) or ".tmp-" in name:
+            raise ValueError(
+                f"checkpoint name {name!r}: use letters, digits and _ . = + - (one path segment, "
+                "not starting with a dot, e.g. 'step-000120')"
+            )
+
+    # ------------------------------------------------------------------ write
+
+    def commit(self, name: str, local_dir: str | os.PathLike, meta: dict) -> CheckpointInfo:
+        """Upload every file under `local_dir`, then the manifest. Re-committing a name (a
+        retried activity) first removes the old manifest, so readers never see the old
+        manifest over new bytes."""
+        self._check_name(name)
+        local_dir = Path(local_dir)
+        if not local_dir.is_dir():
+            raise NotADirectoryError(f"checkpoint {name!r}: local_dir {local_dir} is not a folder")
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"checkpoint {name!r}: meta must be JSON-serializable ({exc})") from None
+        paths = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        rels = [p.relative_to(local_dir).as_posix() for p in paths]
+        for rel in rels:
+            if rel == MANIFEST:
+                raise ValueError(
+                    f"checkpoint {name!r}: {local_dir} already has a {MANIFEST} (a downloaded checkpoint?); "
+                    "CheckpointStore writes it itself, remove it from the folder"
+                )
+            if ".tmp-" in rel or rel.endswith(".part"):
+                raise ValueError(f"checkpoint {name!r}: file name {rel!r} looks like a temporary file (.tmp-, .part); rename it")
+
+        manifest_key = self._key(name, MANIFEST)
+        before = set(self.store.list(self._key(name)))
+        if manifest_key in before:
+            log.info("checkpoint %s exists; replacing it", self.store.uri(self._key(name)))
+            self.store.delete(manifest_key)
+
+        files: dict[str, dict[str, Any]] = {}
+        for path, rel in zip(paths, rels):
+            t = self.store.put_file(self._key(name, rel), path)
+            files[rel] = {"size": t.size, "sha256": t.sha256}
+        created = datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+        manifest = {
+            "format": FORMAT,
+            "name": name,
+            "step": _step_of(meta),
+            "created": created,
+            "total_bytes": sum(f["size"] for f in files.values()),
+            "files": files,
+            "meta": meta,
+        }
+        self.store.put_json(manifest_key, manifest)
+        # Files of an earlier attempt under this name that this commit no longer has.
+        for key in sorted(before - {self._key(name, rel) for rel in rels} - {manifest_key}):
+            self.store.delete(key)
+        info = self._info(manifest)
+        log.info("committed checkpoint %s (%d files, %d bytes)", info.uri, len(files), info.total_bytes)
+        return info
+
+    # ------------------------------------------------------------------ read
+
+    def _info(self, manifest: dict) -> CheckpointInfo:
+        return CheckpointInfo(
+            name=manifest["name"],
+            step=manifest.get("step"),
+            files=manifest["files"],
+            total_bytes=manifest["total_bytes"],
+            meta=manifest.get("meta", {}),
+            created=manifest["created"],
+            uri=self.store.uri(self._key(manifest["name"])),
+        )
+
+    def _names(self) -> tuple[list[str], dict[str, list[str]]]:
+        """(committed names, {uncommitted name: its keys}) under the prefix."""
+        by_name: dict[str, list[str]] = {}
+        for key in self.store.list(self.prefix):
+            name, _, _ = key[len(self.prefix) + 1 :].partition("/")
+            by_name.setdefault(name, []).append(key)
+        committed = [n for n, keys in by_name.items() if self._key(n, MANIFEST) in keys]
+        return committed, {n: keys for n, keys in by_name.items() if n not in committed}
+
+    def get(self, name: str) -> CheckpointInfo:
+        """The committed checkpoint `name` (FileNotFoundError if it has no manifest)."""
+        return self._load(name)[0]
+
+    def _load(self, name: str) -> tuple[CheckpointInfo, bytes]:
+        """The checkpoint and its manifest's bytes, read once."""
+        self._check_name(name)
+        try:
+            raw = self.store.get_bytes(self._key(name, MANIFEST))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no committed checkpoint {name!r} under {self.store.uri(self.prefix)}") from None
+        try:
+            manifest = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpoint(name, [f"{MANIFEST} is not valid JSON ({exc})"]) from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("name") != name:
+            raise CorruptCheckpoint(name, [f"{MANIFEST} is not a {FORMAT} manifest for {name!r}"])
+        try:
+            return self._info(manifest), raw
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpoint(name, [f"{MANIFEST} lacks a field ({exc!r})"]) from None
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first (by `step`, else by name). An unreadable
+        manifest is skipped with a warning."""
+        infos = []
+        for name in self._names()[0]:
+            try:
+                infos.append(self.get(name))
+            except (CorruptCheckpoint, FileNotFoundError) as exc:  # deleted meanwhile, or broken
+                log.warning("skipping checkpoint %s: %s", name, exc)
+        return sorted(infos, key=_sort_key)
+
+    def problems(self, name: str) -> list[str]:
+        """What is wrong with the stored bytes of `name` (empty when it matches its manifest)."""
+        try:
+            info = self.get(name)
+        except CorruptCheckpoint as exc:
+            return exc.problems
+        out = []
+        for rel, want in info.files.items():
+            key = self._key(name, rel)
+            try:
+                size = self.store.size(key)
+                if size != want["size"]:
+                    out.append(f"{rel}: {size} bytes, manifest says {want['size']}")
+                    continue
+                _, sha = self.store.sha256(key)
+            except FileNotFoundError:
+                out.append(f"{rel}: missing")
+                continue
+            if sha != want["sha256"]:
+                out.append(f"{rel}: sha256 {sha[:12]}... differs from the manifest's {want['sha256'][:12]}...")
+        return out
+
+    def verify(self, name: str) -> bool:
+        """True when every file is stored with the manifest's size and sha256 (reads all bytes)."""
+        return not self.problems(name)
+
+    def latest(self, valid_only: bool = True, max_step: int | None = None) -> CheckpointInfo | None:
+        """The newest committed checkpoint (with `step <= max_step` if given). With
+        `valid_only`, a corrupted one is skipped with a warning and the one before it is
+        tried, and so on."""
+        candidates = self.list()
+        if max_step is not None:
+            candidates = [c for c in candidates if c.step is not None and c.step <= max_step]
+        for info in reversed(candidates):
+            if not valid_only:
+                return info
+            problems = self.problems(info.name)
+            if not problems:
+                return info
+            log.warning(
+                "checkpoint %s is corrupted (%s); falling back to the previous one",
+                info.uri, "; ".join(problems[:3]),
+            )  # fmt: skip
+        return None
+
+    def download(self, name: str, local_dir: str | os.PathLike, verify: bool = True) -> CheckpointInfo:
+        """Fetch `name` into `local_dir` (files at their relative paths, `MANIFEST.json`
+        last). Interrupted downloads resume. With `verify`, a file whose sha256 differs
+        from the manifest is fetched once more from scratch (it may have resumed on a
+        stale partial file) and then raises CorruptCheckpoint."""
+        info, manifest = self._load(name)
+        local_dir = Path(local_dir)
+        local_dir.mkdir(parents=True, exist_ok=True)
+        (local_dir / MANIFEST).unlink(missing_ok=True)  # the local copy is incomplete until the end
+        problems = []
+        root = local_dir.resolve()
+        for rel, want in info.files.items():
+            target = local_dir / rel
+            if not target.resolve().is_relative_to(root):
+                raise CorruptCheckpoint(name, [f"manifest path {rel!r} points outside the checkpoint folder"])
+            key = self._key(name, rel)
+            try:
+                t = self.store.get_file(key, target, checksum=verify)
+                if verify and (t.size, t.sha256) != (want["size"], want["sha256"]) and t.transferred < t.size:
+                    target.unlink()
+                    t = self.store.get_file(key, target)
+            except FileNotFoundError:
+                problems.append(f"{rel}: missing")
+                continue
+            if t.size != want["size"] or (verify and t.sha256 != want["sha256"]):
+                target.unlink()
+                problems.append(f"{rel}: stored bytes (size {t.size}, sha256 {t.sha256[:12]}...) differ from the manifest")
+        if problems:
+            raise CorruptCheckpoint(name, problems)
+        (local_dir / MANIFEST).write_bytes(manifest)
+        return info
+
+    # ------------------------------------------------------------------ delete
+
+    def delete(self, name: str) -> None:
+        """Manifest first: a half-deleted checkpoint is an invisible leftover, not a broken one."""
+        self._check_name(name)
+        self.store.delete(self._key(name, MANIFEST))
+        self.store.delete(self._key(name))
+
+    def apply_retention(self, keep_last: int, keep_every: int) -> list[str]:
+        """Keep the newest `keep_last` committed checkpoints and every one whose step is a
+        multiple of `keep_every` (0: none); delete the rest. Also delete leftovers of
+        uncommitted uploads all of whose objects are older than the newest committed
+        manifest (a newer one may be an upload in progress). Returns the deleted names."""
+        if keep_last < 1:
+            raise ValueError(f"apply_retention: keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept")
+        if keep_every < 0:
+            raise ValueError(f"apply_retention: keep_every must be >= 0 (got {keep_every}; 0 disables it)")
+        committed = self.list()
+        keep = {c.name for c in committed[-keep_last:]}
+        if keep_every:
+            keep |= {c.name for c in committed if c.step is not None and c.step % keep_every == 0}
+        deleted = []
+        for info in committed:
+            if info.name not in keep:
+                self.delete(info.name)
+                deleted.append(info.name)
+        if committed:
+            newest = self.store.modified(self._key(committed[-1].name, MANIFEST))
+            for name, keys in sorted(self._names()[1].items()):
+                try:
+                    if all(self.store.modified(k) < newest for k in keys):
+                        self.store.delete(self._key(name))
+                        deleted.append(name)
+                except FileNotFoundError:  # removed meanwhile
+                    continue
+        if deleted:
+            log.info("retention under %s deleted %s", self.store.uri(self.prefix), ", ".join(deleted))
+        return deleted
+
+
+__all__ = ["CheckpointInfo", "CheckpointStore", "CorruptCheckpoint", "MANIFEST"]

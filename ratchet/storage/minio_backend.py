@@ -1,0 +1,136 @@
+"""`minio://bucket/prefix`: the same objects as `s3://`, through the `minio` client.
+
+The minio client is small, synchronous and uploads multipart parts in parallel threads; it
+talks path-style to any S3-protocol server (MinIO, Ceph, moto, AWS). The endpoint comes
+from `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3`) and its scheme decides TLS; the keys come
+from `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` (and `AWS_SESSION_TOKEN`, if set).
+A failed multipart upload is aborted by the client, so no partial object becomes visible.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import BinaryIO
+from urllib.parse import urlsplit
+
+import urllib3
+from minio import Minio
+from minio.deleteobjects import DeleteObject
+from minio.error import S3Error
+
+from .backends import S3Settings, is_not_found, part_size_for
+
+
+class MinioBackend:
+    protocol = "minio"
+
+    def __init__(self, url: str, *, part_size: int, concurrency: int):
+        env = S3Settings.from_env(url, require_endpoint=True, require_keys=True)
+        parts = urlsplit(env.endpoint)
+        self.endpoint = env.endpoint_for_messages
+        self.part_size = part_size
+        self.concurrency = concurrency
+        # The library's own retries stay short: ObjectStore retries whole operations with
+        # backoff, and a long hidden retry loop would make its time bound meaningless.
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=10, read=120),
+            maxsize=max(10, concurrency + 2),
+            retries=urllib3.Retry(total=2, backoff_factor=0.1, status_forcelist=[500, 502, 503, 504]),
+        )
+        self._client = Minio(
+            parts.netloc,
+            access_key=env.access_key,
+            secret_key=env.secret_key,
+            session_token=env.session_token,
+            secure=parts.scheme == "https",
+            region=env.region,
+            http_client=http,
+        )
+
+    def __repr__(self) -> str:
+        return f"MinioBackend({self.endpoint})"
+
+    @staticmethod
+    def split(path: str) -> tuple[str, str]:
+        bucket, _, key = path.partition("/")
+        return bucket, key
+
+    # writes
+
+    def put_bytes(self, path: str, data: bytes) -> None:
+        self.put_stream(path, io.BytesIO(data), len(data))
+
+    def put_stream(self, path: str, stream: BinaryIO, size: int) -> None:
+        bucket, key = self.split(path)
+        self._client.put_object(
+            bucket, key, stream, size,
+            part_size=part_size_for(size, self.part_size, self.concurrency),
+            num_parallel_uploads=self.concurrency,
+        )  # fmt: skip
+
+    # reads
+
+    def get_bytes(self, path: str) -> bytes:
+        bucket, key = self.split(path)
+        resp = self._not_found_as_oserror(path, self._client.get_object, bucket, key)
+        try:
+            return resp.read()
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def iter_range(self, path: str, start: int, end: int, chunk_size: int) -> Iterator[bytes]:
+        if start >= end:
+            return
+        bucket, key = self.split(path)
+        resp = self._not_found_as_oserror(path, self._client.get_object, bucket, key, offset=start, length=end - start)
+        try:
+            yield from resp.stream(chunk_size)
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def size(self, path: str) -> int:
+        bucket, key = self.split(path)
+        return int(self._not_found_as_oserror(path, self._client.stat_object, bucket, key).size)
+
+    def modified(self, path: str) -> float:
+        bucket, key = self.split(path)
+        return self._not_found_as_oserror(path, self._client.stat_object, bucket, key).last_modified.timestamp()
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.size(path)
+            return True
+        except FileNotFoundError:
+            return bool(self.find(path))
+
+    def find(self, path: str) -> list[str]:
+        bucket, key = self.split(path.rstrip("/"))
+        under = f"{key}/" if key else ""
+        try:
+            names = [o.object_name for o in self._client.list_objects(bucket, prefix=key, recursive=True)]
+        except S3Error as exc:
+            if exc.code == "NoSuchBucket":
+                return []
+            raise
+        return [f"{bucket}/{n}" for n in names if n == key or n.startswith(under)]
+
+    def delete(self, path: str) -> None:
+        bucket, _ = self.split(path)
+        keys = [self.split(p)[1] for p in self.find(path)]
+        for start in range(0, len(keys), 1000):  # the S3 limit per DeleteObjects request
+            errors = self._client.remove_objects(bucket, [DeleteObject(k) for k in keys[start : start + 1000]])
+            for err in errors:  # lazy: iterating sends the request
+                raise OSError(f"could not delete {bucket}/{err.name}: {err.code} {err.message}")
+
+    @staticmethod
+    def _not_found_as_oserror(path: str, fn, *args, **kwargs):
+        """Missing objects raise FileNotFoundError, as they do through fsspec."""
+        try:
+            return fn(*args, **kwargs)
+        except S3Error as exc:
+            if is_not_found(exc) or exc.code == "NoSuchBucket":
+                raise FileNotFoundError(f"{path}: {exc.code}") from None
+            raise
