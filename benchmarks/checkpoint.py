@@ -125,15 +125,51 @@ def measure_raw_minio(client, bucket: str, local: Path, work: Path) -> tuple[flo
     return mb / up, mb / down
 
 
-# --------------------------------------------------------------------------- HOOK: training stall
-# Reserved for a later change (not implemented here): "training stall per checkpoint vs
-# synchronous save" -- how long a training step is blocked per checkpoint when the upload
-# runs in the background, against saving synchronously. Implement it in this function; it
-# gets the same stores and a checkpoint folder per size, and main() prints its rows as a
-# second table when it returns any.
+# --------------------------------------------------------------------------- training stall
+
+
+def _trainer_of_size(size_mb: int):
+    """A stand-in trainer whose state (fp32 weights + two AdamW moments) is ~size_mb: what
+    `ratchet.workers.checkpointing` reads (model, optimizer, version, rank, world size)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    layers = max(1, round(size_mb * 2**20 / 12 / (1024 * 1024)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()  # AdamW moments exist, as after any real update
+    return SimpleNamespace(model=model, optimizer=opt, version=1, rank=0, world_size=1)
+
+
 def training_stall_rows(targets: dict[str, str], checkpoints: dict[int, Path]) -> list[tuple[str, ...]]:
-    """Rows (size, target, stall per checkpoint, synchronous save time) -- none yet."""
-    return []
+    """Per size and target: how long training is blocked per checkpoint (the in-memory
+    snapshot; the write, export and upload run in a background thread, as the trainer
+    worker does), against a synchronous save (write the state, then upload it)."""
+    import torch
+
+    from ratchet.storage import CheckpointStore, ObjectStore
+    from ratchet.workers.checkpointing import save_trainer_state, snapshot, write_snapshot
+
+    torch.set_num_threads(1)
+    rows = []
+    for size in checkpoints:
+        trainer = _trainer_of_size(size)
+        for label, url in targets.items():
+            store = CheckpointStore(ObjectStore(url).child("stall"))
+            with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+                t0 = time.perf_counter()
+                save_trainer_state(trainer, Path(tmp) / "sync")
+                store.commit(f"sync-{size}", Path(tmp) / "sync", {"step": 1})
+                synchronous = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                snap = snapshot(trainer)
+                stall = time.perf_counter() - t0
+                write_snapshot(snap, Path(tmp) / "async")  # the background part, timed apart
+                store.commit(f"async-{size}", Path(tmp) / "async", {"step": 2})
+            rows.append((f"{size} MiB", label, f"{stall:.3f} s", f"{synchronous:.2f} s", f"{stall / synchronous:.1%}"))
+    return rows
 
 
 # --------------------------------------------------------------------------- main
@@ -197,7 +233,7 @@ def main() -> None:
     console.print("ratchet numbers include sha256 of every byte both ways, the manifest, and verified downloads.")
     if stall:
         t2 = Table(title="training stall per checkpoint vs synchronous save")
-        for col in ("size", "target", "stall per checkpoint", "synchronous save"):
+        for col in ("size", "target", "stall per checkpoint", "synchronous save", "stall / synchronous"):
             t2.add_column(col)
         for row in stall:
             t2.add_row(*row)

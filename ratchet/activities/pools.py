@@ -10,6 +10,7 @@ was lost is recreated and brought up to date from the trainer.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
@@ -46,8 +47,12 @@ class RunPools:
         return f"{self.run_id}/{role}-{rank}"
 
     def _find(self, role: str, rank: int = 0):
+        return self._find_named(self.name(role, rank))
+
+    @staticmethod
+    def _find_named(name: str):
         try:
-            return ray.get_actor(self.name(role, rank), namespace=NAMESPACE)
+            return ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             return None
 
@@ -105,8 +110,8 @@ class RunPools:
         if all(a is not None for a in ranks):
             try:
                 held = wait(ranks[0].policy_version.remote())
-            except ray.exceptions.RayActorError:
-                held = None  # died just now
+            except ray.exceptions.RayError:
+                held = None  # died just now, or broken: rebuilt below
             if held == expected_version or (retrying_update and held == expected_version + 1):
                 return ranks
             if at_least and held is not None and held > expected_version:
@@ -122,6 +127,11 @@ class RunPools:
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix):
                 ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+                # The kill is asynchronous: wait until the name is free, or a new rank
+                # created with get_if_exists would be the dying one.
+                deadline = time.monotonic() + 30
+                while self._find_named(entry["name"]) is not None and time.monotonic() < deadline:
+                    time.sleep(0.1)
 
     def initial_policy(self) -> str:
         """The weights RL starts from: the warmed-up model if the run has a warm-up."""

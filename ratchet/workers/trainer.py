@@ -83,7 +83,8 @@ class TrainerWorker:
         return self.trainer.num_parameters()
 
     def policy_version(self) -> int:
-        return self.trainer.version
+        """The version held; -1 before `setup` finished (a half-built rank is rebuilt)."""
+        return self.trainer.version if self.trainer is not None else -1
 
     def train(self, step: int, policy_version: int, kl_coef: float, parts: int = 1) -> dict:
         """Update policy v`policy_version` on `step`. A retried activity whose first attempt
