@@ -3,7 +3,8 @@
 The faults are real: SIGKILL of the `ratchet worker` process (restarted, as a supervisor
 would), SIGKILL of the trainer and of the rollout actor processes (Ray does not restart
 them; the activities rebuild them: the trainer from its last checkpoint plus a replay of
-the logged updates), and SIGKILL of the Temporal dev server (restarted on its database).
+the logged updates), SIGKILL of the Temporal dev server (restarted on its database), and
+a restart of the Ray head (every actor lost at once).
 Each run must finish by itself with every step recorded once and every prompt trained on
 once; in deterministic sync mode its final weights equal an uninterrupted run's bit for bit.
 """
@@ -78,6 +79,18 @@ class ChaosPlatform:
         time.sleep(1.0)
         up(self.settings)  # the same ports and database file: the history survives
 
+    def restart_ray(self) -> None:
+        """The Ray head and every actor on it go; the worker process (a Ray driver) is
+        restarted with it, as its supervisor would once its Ray connection is lost."""
+        from ratchet.platform.services import _stop_ray
+
+        rec = json.loads(self.settings.state_file.read_text())["services"]["ray"]
+        self.worker.kill()
+        self.worker.wait()
+        _stop_ray(rec, 10.0)
+        up(self.settings)
+        self.worker = start_worker_process(self.settings)
+
     def close(self) -> None:
         stop_worker_process(self.worker)
         down(self.settings)
@@ -114,11 +127,11 @@ def steps_recorded(run_dir: Path) -> int:
 
 def inject(chaos: ChaosPlatform, run_dir: Path, seed: int, done: threading.Event) -> list[str]:
     """At seeded random steps (and a random moment inside the step): the trainer actor, the
-    rollout actor, the worker process, the Temporal server."""
+    rollout actor, the worker process, the Temporal server, the Ray head."""
     rng = random.Random(seed)
-    at = sorted(rng.sample(range(1, STEPS - 1), 4))
     faults = [("trainer", lambda: chaos.kill_actor("TrainerWorker")), ("rollout", lambda: chaos.kill_actor("RolloutWorker")),
-              ("worker", chaos.kill_worker), ("temporal", chaos.kill_temporal)]  # fmt: skip
+              ("worker", chaos.kill_worker), ("temporal", chaos.kill_temporal), ("ray", chaos.restart_ray)]  # fmt: skip
+    at = sorted(rng.sample(range(1, STEPS - 1), len(faults)))
     rng.shuffle(faults)
     fired = []
     for step, (name, fault) in zip(at, faults):
@@ -185,7 +198,7 @@ def check_exactly_once(summary, run_dir: Path) -> None:
 def test_sync_run_survives_every_fault_with_identical_weights(chaos):
     clean = _result(chaos, chaos.client.submit(RECIPE_PATH, chaos.overrides("tracking.name=clean")))
     summary, run_dir, fired = run_with_faults(chaos, "chaos-sync", [], seed=1)
-    assert len(fired) == 4, fired
+    assert len(fired) == 5, fired
     check_exactly_once(summary, run_dir)
     a, b = final_weights(clean), final_weights(summary)
     assert a.keys() == b.keys()
@@ -197,6 +210,6 @@ def test_sync_run_survives_every_fault_with_identical_weights(chaos):
 def test_fully_async_run_survives_every_fault(chaos):
     extra = ["loop.mode=fully_async", "loop.max_staleness=1", "loop.queue_limit=2", "algorithm.off_policy.mode=tis"]
     summary, run_dir, fired = run_with_faults(chaos, "chaos-async", extra, seed=2)
-    assert len(fired) == 4, fired
+    assert len(fired) == 5, fired
     check_exactly_once(summary, run_dir)
     assert summary.dropped_samples == 0

@@ -218,8 +218,8 @@ class TrainingWorkflow:
         prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config), PrepareOutput)
         state.run = prep.run
         await self._call("start_workers", StartWorkersInput(prep.run, "", restore_version=state.policy_version), StartWorkersOutput)
-        state.rollout_version = 0
         self._state = state
+        await self._sync_now(state)  # the new rollout worker serves the checkpoint's policy
         return state
 
     # -- the three loops; each returns True when the run should continue as new -----------
