@@ -184,7 +184,9 @@ def main() -> None:
     ap.add_argument("--stage-seconds", type=float, default=2.0)
     ap.add_argument("--sim-steps", type=int, default=6)
     ap.add_argument("--skip-real", action="store_true")
+    ap.add_argument("--max-staleness", type=int, default=1, help="fully_async: loop.max_staleness (queue limit: one more)")
     args = ap.parse_args()
+    MODES["fully_async"] = ["loop.mode=fully_async", f"loop.max_staleness={args.max_staleness}", f"loop.queue_limit={args.max_staleness + 1}"]
     console = Console(width=160)
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-speed-"))
     try:

@@ -175,16 +175,24 @@ class RunPools:
     def reward(self, policy_path: str):
         return self._find("reward") or self.start_reward(policy_path)
 
-    def sync_weights(self, version: int) -> int:
-        """Trainer weights v`version` -> the rollout engine; returns bytes moved."""
+    def sync_weights(self, version: int) -> tuple[int, int]:
+        """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> the
+        rollout engine; returns (bytes moved, the version synced)."""
         target = self._find("rollout") or self.start_rollout(self.initial_policy())
-        return self._push_weights(self.trainers(version), target)[0]
+        return self._push_weights(self.trainers(version, at_least=True), target)
 
     def _push_weights(self, ranks: list, target) -> tuple[int, int]:
         """Through Ray's object store (never via this process: the ObjectRef is passed on and
         resolved in the rollout actor). Returns (bytes moved, version)."""
-        version = wait(ranks[0].policy_version.remote())
-        refs = [a.weights.remote() for a in ranks]
+        while True:
+            # Calls from one caller run in order on an actor; an update from another caller
+            # may land between them, and then the versions before and after differ.
+            before = ranks[0].policy_version.remote()
+            refs = [a.weights.remote() for a in ranks]
+            after = ranks[0].policy_version.remote()
+            version, again = wait([before, after])
+            if version == again:
+                break
         received = wait(target.load_weights.remote(refs[0], version))
         wait(refs[1:])
         return received, version

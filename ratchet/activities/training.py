@@ -166,8 +166,8 @@ def train(inp: TrainInput) -> TrainOutput:
 @activity.defn(name="sync_weights")
 def sync_weights(inp: SyncInput) -> SyncOutput:
     t0 = time.perf_counter()
-    moved = pools_for(inp.run).sync_weights(inp.policy_version)
-    return SyncOutput(policy_version=inp.policy_version, seconds=time.perf_counter() - t0, megabytes=moved / 1e6)
+    moved, version = pools_for(inp.run).sync_weights(inp.policy_version)
+    return SyncOutput(policy_version=version, seconds=time.perf_counter() - t0, megabytes=moved / 1e6)
 
 
 @activity.defn(name="evaluate")

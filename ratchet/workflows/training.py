@@ -261,6 +261,9 @@ class TrainingWorkflow:
         producer = asyncio.ensure_future(self._produce(state, plan))
         updates_since_sync = 0
         can = False
+        # With partial rollouts a sync runs while the next update does: the rollout worker
+        # orders it against its generation, and it pushes whatever version the trainer holds.
+        syncing: asyncio.Future | None = None
         try:
             while state.next_step < plan.steps and await self._boundary():
                 t0 = workflow.now()
@@ -281,7 +284,11 @@ class TrainingWorkflow:
                 updates_since_sync += 1
                 synced = None
                 if updates_since_sync >= plan.sync_every:
-                    synced = await self._sync(state)
+                    if plan.partial_rollout:
+                        synced = await syncing if syncing is not None else None  # one in flight at a time
+                        syncing = asyncio.ensure_future(self._sync(state))
+                    else:
+                        synced = await self._sync(state)
                     updates_since_sync = 0
                 await self._record(state, plan, rounds, trained, synced, t0, trainer_wait=wait, staleness=staleness)
                 if self._continue_as_new_suggested(state, plan):
@@ -289,6 +296,8 @@ class TrainingWorkflow:
                     break
         finally:
             self._stopping_producer = True
+            if syncing is not None:
+                await syncing
         # Batches the producer finishes stay in state.ready (carried on continue-as-new). The
         # final evaluation loads the latest weights itself; the export reads the trainer.
         await producer
@@ -305,11 +314,28 @@ class TrainingWorkflow:
             total_batches = state.next_step + ahead
             return ahead < plan.queue_limit and staleness_then <= plan.max_staleness and total_batches < plan.steps
 
-        while True:
-            await workflow.wait_condition(lambda: self._stopping_producer or self._stopping or (not self._paused and may_start()))
-            if self._stopping_producer or self._stopping:
-                return
-            state.ready.append(await self._rollout(state, plan))
+        # A batch is scored while the next one is generated: the reward worker does not
+        # need the rollout engine. Batches still enter `ready` in order.
+        previous: asyncio.Future | None = None
+        try:
+            while True:
+                await workflow.wait_condition(lambda: self._stopping_producer or self._stopping or (not self._paused and may_start()))
+                if self._stopping_producer or self._stopping:
+                    return
+                generated = asyncio.Event()
+                previous = asyncio.ensure_future(self._produce_one(state, plan, generated, previous))
+                await generated.wait()
+                if previous.done():
+                    previous.result()  # a failed rollout fails the run now, not at the end
+        finally:
+            if previous is not None:
+                await previous
+
+    async def _produce_one(self, state: RunState, plan: LoopPlan, generated: asyncio.Event, before) -> None:
+        rounds = await self._rollout(state, plan, generated=generated)
+        if before is not None:
+            await before
+        state.ready.append(rounds)
 
     # -- pieces of a step ----------------------------------------------------------------
 
@@ -347,18 +373,19 @@ class TrainingWorkflow:
         self._in_flight_prompts[index].append(start)
         return start
 
-    async def _rollout(self, state: RunState, plan: LoopPlan) -> list[ScoredBatch]:
+    async def _rollout(self, state: RunState, plan: LoopPlan, *, generated: asyncio.Event | None = None) -> list[ScoredBatch]:
         """Generate and score the next batch; with dynamic sampling, more rounds until enough
-        groups carry signal (or the round budget is spent)."""
+        groups carry signal (or the round budget is spent). `generated` is set once the
+        rollout engine is free again: with one round, before the batch is scored."""
         index = state.next_batch
         state.next_batch += 1
         rounds: list[ScoredBatch] = []
         informative = 0
-        async with self._rollout_lock:
-            self._in_flight[index] = state.rollout_version
-            self._in_flight_prompts[index] = []
-            try:
-                for part in range(plan.sampling_rounds):
+        self._in_flight[index] = state.rollout_version
+        self._in_flight_prompts[index] = []
+        try:
+            for part in range(plan.sampling_rounds):
+                async with self._rollout_lock:
                     batch: BatchRef = await self._call(
                         "generate",
                         RolloutInput(
@@ -371,15 +398,19 @@ class TrainingWorkflow:
                         ),
                         BatchRef,
                     )
-                    self._rollout_busy_seconds += batch.generate_seconds
-                    scored: ScoreOutput = await self._call("score", ScoreInput(state.run, batch), ScoreOutput)
-                    rounds.append(ScoredBatch(batch, scored))
-                    informative += scored.informative_groups
-                    if informative >= plan.prompts_per_step:
-                        break
-            finally:
-                del self._in_flight[index]
-                del self._in_flight_prompts[index]
+                if generated is not None and plan.sampling_rounds == 1:
+                    generated.set()
+                self._rollout_busy_seconds += batch.generate_seconds
+                scored: ScoreOutput = await self._call("score", ScoreInput(state.run, batch), ScoreOutput)
+                rounds.append(ScoredBatch(batch, scored))
+                informative += scored.informative_groups
+                if informative >= plan.prompts_per_step:
+                    break
+        finally:
+            del self._in_flight[index]
+            del self._in_flight_prompts[index]
+            if generated is not None:
+                generated.set()
         return rounds
 
     async def _train(self, state: RunState, rounds: list[ScoredBatch]) -> TrainOutput:
@@ -400,7 +431,7 @@ class TrainingWorkflow:
 
     async def _sync_now(self, state: RunState) -> SyncOutput:
         synced: SyncOutput = await self._call("sync_weights", SyncInput(state.run, state.policy_version), SyncOutput)
-        state.rollout_version = synced.policy_version
+        state.rollout_version = max(state.rollout_version, synced.policy_version)
         return synced
 
     async def _checkpoint(self, state: RunState) -> CheckpointOutput:
