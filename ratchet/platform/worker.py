@@ -76,12 +76,28 @@ def build_worker(client, settings: WorkerSettings, executor: ThreadPoolExecutor)
     )
 
 
+async def _connect_temporal(client_cls, settings: WorkerSettings, timeout_s: float = 120.0):
+    """Connect, waiting out a Temporal server that is restarting: a worker that a supervisor
+    starts in that moment would otherwise exit and leave its runs without a worker."""
+    from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception_type(RuntimeError),
+        stop=stop_after_delay(timeout_s),
+        wait=wait_exponential(multiplier=0.5, max=5.0),
+        reraise=True,
+        before_sleep=lambda state: log.warning("Temporal at %s not reachable yet; retrying", settings.temporal_address),
+    ):
+        with attempt:
+            return await client_cls.connect(settings.temporal_address, namespace=settings.namespace)
+
+
 async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set or the process gets SIGTERM/SIGINT."""
     from temporalio.client import Client
 
     connect_ray(settings.ray_address)
-    client = await Client.connect(settings.temporal_address, namespace=settings.namespace)
+    client = await _connect_temporal(Client, settings)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
