@@ -55,3 +55,23 @@ def test_resume_from_checkpoint_with_other_world_sizes(platform):
 def test_resume_errors_name_the_fix(platform):
     with pytest.raises(FileNotFoundError, match="no run 'no-such-run'.*--root"):
         platform.client.resume("no-such-run", root=str(platform.runs_root))
+
+
+def test_continue_as_new_every_n_steps_carries_the_run_state(platform):
+    """`loop.continue_as_new_every=2`: the workflow restarts its history every 2 steps and
+    the run goes on where it was, each step recorded once."""
+    from temporalio.api.enums.v1 import EventType
+
+    handle = platform.client.submit(
+        RECIPE_PATH, platform.overrides(*FAST, "loop.steps=5", "loop.continue_as_new_every=2", "tracking.name=can")
+    )
+    summary = handle.result(timeout=600)
+    assert summary.steps == 5 and summary.policy_version == 5
+    assert [m["step"] for m in metrics(Path(summary.run_uri))] == list(range(5))
+    assert summary.reward_first10 > 0 and len(summary.eval_rewards) == 0
+    # The last run of the chain starts from the carried state: it scheduled only step 4.
+    events = handle.history().events
+    assert events[0].workflow_execution_started_event_attributes.continued_execution_run_id
+    trains = [e for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+              and e.activity_task_scheduled_event_attributes.activity_type.name == "train"]  # fmt: skip
+    assert len(trains) == 1
