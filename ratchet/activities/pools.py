@@ -149,13 +149,13 @@ class RunPools:
     def start_reward(self, policy_path: str):
         return self._create(RewardWorker, "reward", 0, self.cfg.resources.reward_cpus, self.cfg, policy_path, self.run_uri)
 
-    def rollout(self, expected_version: int, policy_path: str):
-        """The rollout worker at `expected_version` (or newer, with partial rollouts: a sync
-        may land before the workflow hears of it); recreated and synced if it was lost."""
+    def rollout(self, expected_version: int):
+        """The rollout worker at `expected_version` or newer (a sync may land before the
+        workflow hears of it); recreated and synced if it was lost."""
         actor = self._find("rollout")
         if actor is None:
             log.warning("run %s: rollout worker lost; recreating it", self.run_id)
-            actor = self.start_rollout(policy_path)
+            actor = self.start_rollout(self.initial_policy())
         if wait(actor.policy_version.remote()) < expected_version:
             # A recreated worker serves v0: bring it to what the trainer holds now, which in
             # fully_async may be newer than this batch asked for (the batch records it).
@@ -172,8 +172,8 @@ class RunPools:
             raise ApplicationError(f"run {self.run_id}: the critic is gone and its state with it", type=WORKER_LOST, non_retryable=True)
         return actor
 
-    def reward(self, policy_path: str):
-        return self._find("reward") or self.start_reward(policy_path)
+    def reward(self):
+        return self._find("reward") or self.start_reward(self.initial_policy())
 
     def sync_weights(self, version: int) -> tuple[int, int]:
         """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> the

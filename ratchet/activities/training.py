@@ -115,7 +115,7 @@ def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
 @activity.defn(name="generate")
 def generate(inp: RolloutInput) -> BatchRef:
     pools = pools_for(inp.run)
-    rollout = pools.rollout(inp.policy_version, pools.initial_policy())
+    rollout = pools.rollout(inp.policy_version)
     out = wait(rollout.generate.remote(inp.step, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part))
     return BatchRef(
         run_id=inp.run.run_id,
@@ -135,7 +135,7 @@ def generate(inp: RolloutInput) -> BatchRef:
 @activity.defn(name="score")
 def score(inp: ScoreInput) -> ScoreOutput:
     pools = pools_for(inp.run)
-    out = wait(pools.reward(pools.initial_policy()).score.remote(inp.batch.step, "batches", inp.batch.part))
+    out = wait(pools.reward().score.remote(inp.batch.step, "batches", inp.batch.part))
     return ScoreOutput(
         reward_mean=out["reward_mean"],
         reward_std=out["reward_std"],
@@ -175,9 +175,8 @@ def evaluate(inp: EvalInput) -> EvalOutput:
     """Greedy answers on the fixed eval prompts, scored by the reward worker."""
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     pools = pools_for(inp.run)
-    source = pools.initial_policy()
-    gen = wait(pools.rollout(inp.policy_version, source).generate_eval.remote(inp.step, cfg.data.eval_size))
-    out = wait(pools.reward(source).score.remote(inp.step, "evals"))
+    gen = wait(pools.rollout(inp.policy_version).generate_eval.remote(inp.step, cfg.data.eval_size))
+    out = wait(pools.reward().score.remote(inp.step, "evals"))
     return EvalOutput(step=inp.step, reward_mean=out["reward_mean"], num_samples=gen["num_samples"])
 
 
