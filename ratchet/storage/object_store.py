@@ -288,7 +288,6 @@ class ObjectStore:
         digest = _Digest()
 
         def attempt() -> None:
-            nonlocal digest
             with closing(_prefetch(self._backend.iter_range(path, digest.count, size, self.part_size), on_chunk=digest.update)) as chunks:
                 for _ in chunks:
                     pass
