@@ -337,3 +337,42 @@ def test_retention_keeps_last_k_and_every_mth(ckpts, tmp_path):
     assert [c.name for c in ckpts.list()] == [step_name(10)]
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         ckpts.apply_retention(keep_last=0, keep_every=5)
+
+
+def test_newest_good_reads_once_and_falls_back(ckpts, tmp_path):
+    """What recovery uses: the verifying fetch itself decides, so the bytes are read once."""
+    ckpts.commit(step_name(1), make_checkpoint(tmp_path / "c1", seed=1), {"step": 1})
+    ckpts.commit(step_name(2), make_checkpoint(tmp_path / "c2", seed=2), {"step": 2})
+    ckpts.commit(step_name(3), make_checkpoint(tmp_path / "c3", seed=3), {"step": 3})
+    store = ckpts.store
+    cfg = f"checkpoints/{step_name(2)}/config.json"
+    store.put_bytes(cfg, store.get_bytes(cfg).replace(b"2", b"7"))  # same size, other bytes
+    fetched = []
+
+    def fetch(info):
+        fetched.append(info.name)
+        return ckpts.read_files(info.name, ["config.json"])
+
+    info, files = ckpts.newest_good(fetch, max_step=2)
+    assert info.name == step_name(1) and json.loads(files["config.json"]) == {"seed": 1}
+    assert fetched == [step_name(2), step_name(1)]  # step 3 is past max_step; step 2 is corrupted
+    assert ckpts.newest_good(fetch, max_step=0) is None
+    with pytest.raises(CorruptCheckpoint, match="nothing.json: not in the manifest"):
+        ckpts.read_files(step_name(1), ["nothing.json"])
+
+
+def test_retired_checkpoints_are_invisible_and_kept(ckpts, tmp_path):
+    local = make_checkpoint(tmp_path / "c", seed=4, big=100)
+    for step in range(4):
+        ckpts.commit(step_name(step), local, {"step": step})
+    before = {k: ckpts.store.get_bytes(k) for k in ckpts.store.list(f"checkpoints/{step_name(3)}")}
+    ckpts.retire(step_name(3))
+    assert [c.name for c in ckpts.list()] == [step_name(s) for s in range(3)]
+    assert ckpts.latest().name == step_name(2)
+    if ckpts.store.protocol != "file":
+        time.sleep(1.1)  # S3 Last-Modified has one-second resolution
+    ckpts.commit(step_name(4), local, {"step": 4})
+    assert ckpts.apply_retention(keep_last=1, keep_every=0) == [step_name(s) for s in range(3)]  # not the retired one
+    after = {k: ckpts.store.get_bytes(k) for k in ckpts.store.list(f"checkpoints/{step_name(3)}")}
+    manifest = before.pop(f"checkpoints/{step_name(3)}/{MANIFEST}")
+    assert after.pop(f"checkpoints/{step_name(3)}/RETIRED.json") == manifest and after == before

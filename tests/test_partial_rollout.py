@@ -148,3 +148,34 @@ def test_without_partial_rollouts_a_sync_waits_for_the_generation(tiny_model, co
     assert out["policy_version"] == out["policy_version_max"] == 0 and worker.version == 1
     with pytest.raises(RuntimeError, match="holds policy v1, asked for v2"):
         worker.generate(1, 2, 2, 2)
+
+
+def test_deterministic_worker_logs_what_it_serves_and_serves_it_again(tiny_model, copy_data, tmp_path):
+    """A deterministic run turns partial rollouts off, asks for exact versions, and keeps
+    the versions it was sent (the last max_staleness + sync_every + 1) to serve them again:
+    a recreated worker generates a batch exactly as the lost one would have."""
+    cfg = make_cfg(tiny_model, copy_data, tmp_path, max_staleness=1, queue_limit=2).model_copy(update={"deterministic": True})
+    assert not cfg.uses_partial_rollouts
+    worker = RolloutWorker(cfg, str(tiny_model), str(tmp_path))
+    assert not worker.partial
+    original = worker.generate(0, 0, 2, 0, exact=True)
+    first = RolloutBatch.load(BatchStore(ObjectStore(str(tmp_path))), 0)
+    versions = {v: other_weights(worker.engine, v) for v in range(1, 6)}
+    served = {}
+    for v, w in versions.items():
+        worker.load_weights(w, v)
+        served[v] = {k: t.clone() for k, t in worker.engine.model.state_dict().items()}
+    logged = sorted(ObjectStore(str(tmp_path)).list("policy_log"))
+    assert logged == [f"policy_log/v{v:08d}.safetensors" for v in (3, 4, 5)]  # 5 - 1 - 1 and newer
+    with pytest.raises(RuntimeError, match="holds policy v5, asked for v4"):
+        worker.generate(1, 2, 2, 4, exact=True)  # older than held: fine without `exact`, not with it
+    assert worker.serve_logged(4) and worker.version == 4
+    state = worker.engine.model.state_dict()
+    assert all(torch.equal(state[k], served[4][k]) for k in state)
+    assert not worker.serve_logged(2)  # pruned
+    # v0 is the initial policy's files: the same batch again, token for token.
+    assert worker.serve_logged(0) and worker.version == 0
+    again = worker.generate(0, 0, 2, 0, exact=True)
+    assert again["num_response_tokens"] == original["num_response_tokens"]
+    second = RolloutBatch.load(BatchStore(ObjectStore(str(tmp_path))), 0)
+    assert torch.equal(first.response_ids, second.response_ids) and torch.equal(first.rollout_logprobs, second.rollout_logprobs)

@@ -20,7 +20,7 @@ from ratchet.config.schema import RunConfig
 from ratchet.storage import ObjectStore
 from ratchet.workers.critic import CriticWorker
 from ratchet.workers.reward import RewardWorker
-from ratchet.workers.rollout import RolloutWorker, partial_rollouts
+from ratchet.workers.rollout import RolloutWorker
 from ratchet.workers.trainer import TrainerWorker
 
 from .ray_calls import wait
@@ -127,11 +127,14 @@ class RunPools:
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix):
                 ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
-                # The kill is asynchronous: wait until the name is free, or a new rank
-                # created with get_if_exists would be the dying one.
-                deadline = time.monotonic() + 30
-                while self._find_named(entry["name"]) is not None and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                self.wait_name_free(entry["name"])
+
+    def wait_name_free(self, name: str, timeout_s: float = 30.0) -> None:
+        """The kill of a named actor is asynchronous: wait until the name is free, or a new
+        actor created with get_if_exists would be the dying one."""
+        deadline = time.monotonic() + timeout_s
+        while self._find_named(name) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def initial_policy(self) -> str:
         """The weights RL starts from: the warmed-up model if the run has a warm-up."""
@@ -141,7 +144,7 @@ class RunPools:
 
     def start_rollout(self, policy_path: str):
         # Partial rollouts: a weight sync is received while a generation runs (a second thread).
-        concurrency = 2 if partial_rollouts(self.cfg) else 1
+        concurrency = 2 if self.cfg.uses_partial_rollouts else 1
         return self._create(
             RolloutWorker, "rollout", 0, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri, concurrency=concurrency
         )
@@ -149,14 +152,27 @@ class RunPools:
     def start_reward(self, policy_path: str):
         return self._create(RewardWorker, "reward", 0, self.cfg.resources.reward_cpus, self.cfg, policy_path, self.run_uri)
 
-    def rollout(self, expected_version: int):
+    def rollout(self, expected_version: int, *, exact: bool = False):
         """The rollout worker at `expected_version` or newer (a sync may land before the
-        workflow hears of it); recreated and synced if it was lost."""
+        workflow hears of it), or with `exact` at that version only; recreated and synced
+        if it was lost."""
         actor = self._find("rollout")
         if actor is None:
             log.warning("run %s: rollout worker lost; recreating it", self.run_id)
             actor = self.start_rollout(self.initial_policy())
-        if wait(actor.policy_version.remote()) < expected_version:
+        held = wait(actor.policy_version.remote())
+        if exact and held != expected_version:
+            # A deterministic run: the version its schedule names, from the policy log, or
+            # from the trainer if it holds that version now.
+            if not wait(actor.serve_logged.remote(expected_version)):
+                pushed = self._push_weights(self.trainers(expected_version, at_least=True), actor)[1]
+                if pushed != expected_version:
+                    raise ApplicationError(
+                        f"run {self.run_id}: policy v{expected_version} is not in the policy log and the trainer holds v{pushed}",
+                        type=WORKER_LOST,
+                        non_retryable=True,
+                    )
+        elif held < expected_version:
             # A recreated worker serves v0: bring it to what the trainer holds now, which in
             # fully_async may be newer than this batch asked for (the batch records it).
             self._push_weights(self.trainers(expected_version, at_least=True), actor)
@@ -165,12 +181,24 @@ class RunPools:
     def start_critic(self):
         return self._create(CriticWorker, "critic", 0, self.cfg.resources.critic_cpus, self.cfg, self.run_uri)
 
-    def critic(self):
+    def critic(self, expected_version: int, *, retrying_update: bool = False):
+        """The critic, updated as often as policy v`expected_version` was (or once more, for
+        a retried train attempt whose first try got that far); lost or out of step, it is
+        rebuilt from the last checkpoint and the logged updates after it (recovery.py)."""
+        from .recovery import restore_critic
+
         actor = self._find("critic")
-        if actor is None:
-            # The critic's weights are training state: without a checkpoint it cannot come back.
-            raise ApplicationError(f"run {self.run_id}: the critic is gone and its state with it", type=WORKER_LOST, non_retryable=True)
-        return actor
+        if actor is not None:
+            try:
+                held = wait(actor.policy_version.remote())
+            except ray.exceptions.RayError:
+                held = None
+            if held == expected_version or (retrying_update and held == expected_version + 1):
+                return actor
+            log.warning("run %s: the critic holds v%s, the workflow expects v%d; restoring", self.run_id, held, expected_version)
+        else:
+            log.warning("run %s: the critic is gone; restoring it", self.run_id)
+        return restore_critic(self, expected_version)
 
     def reward(self):
         return self._find("reward") or self.start_reward(self.initial_policy())

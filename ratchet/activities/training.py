@@ -101,8 +101,8 @@ def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
         pools.trainers(inp.restore_version)
         source = pools.initial_policy()
         wait([pools.start_rollout(source).policy_version.remote(), pools.start_reward(source).__ray_ready__.remote()])
-        if pools.cfg.uses_critic:  # the critic's own state is not checkpointed: it starts afresh
-            wait(pools.start_critic().__ray_ready__.remote())
+        if pools.cfg.uses_critic:
+            pools.critic(inp.restore_version)  # from the checkpoint, like the trainer
         return StartWorkersOutput(policy_version=inp.restore_version, num_parameters=0, seconds=time.perf_counter() - t0)
     n_params = pools.start_trainers(inp.policy_uri)
     ready = [pools.start_rollout(inp.policy_uri).policy_version.remote(), pools.start_reward(inp.policy_uri).__ray_ready__.remote()]
@@ -115,8 +115,8 @@ def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
 @activity.defn(name="generate")
 def generate(inp: RolloutInput) -> BatchRef:
     pools = pools_for(inp.run)
-    rollout = pools.rollout(inp.policy_version)
-    out = wait(rollout.generate.remote(inp.step, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part))
+    rollout = pools.rollout(inp.policy_version, exact=inp.exact_version)
+    out = wait(rollout.generate.remote(inp.step, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part, inp.exact_version))
     return BatchRef(
         run_id=inp.run.run_id,
         step=inp.step,
@@ -150,10 +150,11 @@ def train(inp: TrainInput) -> TrainOutput:
     t0 = time.perf_counter()
     pools = pools_for(inp.run)
     step, parts = inp.batch.step, inp.parts
-    critic = pools.critic() if pools.cfg.uses_critic else None
+    retrying = activity.info().attempt > 1
+    critic = pools.critic(inp.policy_version, retrying_update=retrying) if pools.cfg.uses_critic else None
     if critic is not None:
         wait(critic.compute_values.remote(step, parts))
-    ranks = pools.trainers(inp.policy_version, retrying_update=activity.info().attempt > 1)
+    ranks = pools.trainers(inp.policy_version, retrying_update=retrying)
     outs = wait([a.train.remote(step, inp.policy_version, inp.kl_coef, parts) for a in ranks])
     metrics = dict(outs[0]["metrics"])
     if critic is not None:
@@ -187,7 +188,9 @@ def checkpoint(inp: CheckpointInput) -> CheckpointOutput:
     pools = pools_for(inp.run)
     ranks = pools.trainers(inp.policy_version)
     run_state = json.loads(PAYLOADS.to_payloads([inp.state])[0].data)
-    outs = wait([a.start_checkpoint.remote(inp.step, run_state) for a in ranks])
+    # The critic's state goes from its actor to rank 0 directly (an ObjectRef, not via here).
+    critic = pools.critic(inp.policy_version).state_files.remote() if pools.cfg.uses_critic else None
+    outs = wait([a.start_checkpoint.remote(inp.step, run_state, critic if r == 0 else None) for r, a in enumerate(ranks)])
     return CheckpointOutput(
         name=outs[0]["name"],
         stall_seconds=max(o["stall_seconds"] for o in outs),

@@ -48,7 +48,8 @@ def loop_plan(cfg) -> LoopPlan:
         max_staleness=cfg.loop.max_staleness,
         queue_limit=cfg.loop.queue_limit,
         sync_every=cfg.loop.sync_every,
-        partial_rollout=cfg.rollout.partial_rollout and cfg.loop.mode == "fully_async",
+        partial_rollout=cfg.uses_partial_rollouts,
+        deterministic=cfg.deterministic,
         checkpoint_every=cfg.checkpoint.every,
         continue_as_new_every=cfg.loop.continue_as_new_every,
         heartbeat_timeout_s=cfg.loop.heartbeat_timeout_s,
@@ -173,7 +174,8 @@ class Client:
     ) -> RunHandle:
         """Continue a stopped or failed run from a checkpoint (the latest good one unless
         named), with its stored config plus `overrides` (say `trainer.world_size=2`). The
-        run keeps its id and folder; the steps after the checkpoint are done again."""
+        run keeps its id and folder; the steps after the checkpoint are done again, and
+        checkpoints newer than it are retired (`RETIRED.json`, see CheckpointStore.retire)."""
         from temporalio.converter import default as default_converter
 
         from ratchet.config import load_config
@@ -190,6 +192,10 @@ class Client:
             raise FileNotFoundError(f"run {run_id!r} has no valid checkpoint to resume from (checkpoint.every was 0?)")
         if not checkpoints.verify(info.name):
             raise ValueError(f"checkpoint {info.name!r} of run {run_id!r} is corrupted; pick another (ratchet checkpoints {run_id})")
+        # Newer checkpoints belong to the continuation being abandoned: recovery in the
+        # resumed run must not restore one of them. Retired, not deleted.
+        for newer in [c for c in checkpoints.list() if c.step is not None and info.step is not None and c.step > info.step]:
+            checkpoints.retire(newer.name)
         raw = run_store.get_bytes(f"{checkpoints.prefix}/{info.name}/run_state.json")
         state = default_converter().payload_converter.from_payloads([_json_payload(raw)], [RunState])[0]
         inp = TrainingInput(run_id=run_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg), resume=state, restore=True)

@@ -11,6 +11,7 @@ manifest and fall back to the previous good checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,13 +19,16 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from .object_store import ObjectStore
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+RETIRED = "RETIRED.json"  # a retired checkpoint's manifest (`retire`)
 FORMAT = "ratchet-checkpoint/1"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]{0,199}$")
 
@@ -161,7 +165,9 @@ class CheckpointStore:
             name, _, _ = key[len(self.prefix) + 1 :].partition("/")
             by_name.setdefault(name, []).append(key)
         committed = [n for n, keys in by_name.items() if self._key(n, MANIFEST) in keys]
-        return committed, {n: keys for n, keys in by_name.items() if n not in committed}
+        # Retired checkpoints are neither: kept as they are, never cleaned up as leftovers.
+        retired = {n for n, keys in by_name.items() if self._key(n, RETIRED) in keys}
+        return committed, {n: keys for n, keys in by_name.items() if n not in committed and n not in retired}
 
     def get(self, name: str) -> CheckpointInfo:
         """The committed checkpoint `name` (FileNotFoundError if it has no manifest)."""
@@ -241,6 +247,42 @@ class CheckpointStore:
             )  # fmt: skip
         return None
 
+    def newest_good(self, fetch: Callable[[CheckpointInfo], T], max_step: int | None = None) -> tuple[CheckpointInfo, T] | None:
+        """`fetch(info)` on the newest committed checkpoint (with `step <= max_step`), and on
+        the one before it, and so on, while fetch raises CorruptCheckpoint: the bytes are
+        read once, by the fetch that verifies them (`download`, `read_files`), not first by
+        `latest()` as well. None when no checkpoint is good."""
+        candidates = self.list()
+        if max_step is not None:
+            candidates = [c for c in candidates if c.step is not None and c.step <= max_step]
+        for info in reversed(candidates):
+            try:
+                return info, fetch(info)
+            except CorruptCheckpoint as exc:
+                log.warning("checkpoint %s is corrupted (%s); falling back to the previous one", info.uri, "; ".join(exc.problems[:3]))
+        return None
+
+    def read_files(self, name: str, rels: list[str]) -> dict[str, bytes]:
+        """Small files of checkpoint `name`, checked against its manifest."""
+        info = self.get(name)
+        out, problems = {}, []
+        for rel in rels:
+            want = info.files.get(rel)
+            if want is None:
+                problems.append(f"{rel}: not in the manifest")
+                continue
+            try:
+                data = self.store.get_bytes(self._key(name, rel))
+            except FileNotFoundError:
+                problems.append(f"{rel}: missing")
+                continue
+            if len(data) != want["size"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+                problems.append(f"{rel}: stored bytes differ from the manifest")
+            out[rel] = data
+        if problems:
+            raise CorruptCheckpoint(name, problems)
+        return out
+
     def download(self, name: str, local_dir: str | os.PathLike, verify: bool = True) -> CheckpointInfo:
         """Fetch `name` into `local_dir` (files at their relative paths, `MANIFEST.json`
         last). Interrupted downloads resume. With `verify`, a file whose sha256 differs
@@ -280,6 +322,16 @@ class CheckpointStore:
         self._check_name(name)
         self.store.delete(self._key(name, MANIFEST))
         self.store.delete(self._key(name))
+
+    def retire(self, name: str) -> None:
+        """Make `name` invisible without deleting a byte: its manifest moves to
+        `RETIRED.json`. A run resumed from an older checkpoint retires the newer ones (they
+        belong to the abandoned continuation, and recovery must not restore them); renaming
+        the file back brings one back."""
+        info, manifest = self._load(name)
+        self.store.put_bytes(self._key(name, RETIRED), manifest)
+        self.store.delete(self._key(name, MANIFEST))
+        log.info("retired checkpoint %s", info.uri)
 
     def apply_retention(self, keep_last: int, keep_every: int) -> list[str]:
         """Keep the newest `keep_last` committed checkpoints and every one whose step is a

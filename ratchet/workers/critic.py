@@ -5,13 +5,21 @@ alignment as the policy's logits), so `values[:, t]` estimates the return from r
 token t on. The critic stores its values next to the batch (`values`), the trainer turns
 them into advantages and returns (`advantages`), and the critic then fits the returns with
 the clipped value loss.
+
+The critic's state is part of every checkpoint (`critic/critic.safetensors`: value model
+and AdamW state, tensors only; `critic/critic.json`: the update count and the optimizer's
+hyper-parameters), so a lost critic is rebuilt like the trainer: the checkpoint, then its
+logged updates replayed on their stored values and returns (activities/recovery.py).
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from ratchet.algorithms import masked_mean, value_clipped, value_loss
 from ratchet.config.schema import RunConfig
@@ -87,6 +95,36 @@ class CriticTrainer:
             "returns_mean": masked_mean(returns, batch.response_mask).item(),
         }
 
+    def state_files(self, version: int) -> dict[str, bytes]:
+        """The value model and AdamW state as checkpoint files (no pickle)."""
+        tensors = {f"model/{k}": v.detach().clone().contiguous() for k, v in self.model.state_dict().items()}
+        opt = self.optimizer.state_dict()
+        for idx, entry in opt["state"].items():
+            for key, t in entry.items():
+                tensors[f"optim/{idx}/{key}"] = t.detach().clone().contiguous()
+        meta = {"format": CRITIC_FORMAT, "version": version, "param_groups": opt["param_groups"]}
+        return {CRITIC_STATE: st_save(tensors), CRITIC_META: json.dumps(meta, sort_keys=True).encode()}
+
+    def load_state_files(self, files: dict[str, bytes]) -> int:
+        """Restore what `state_files` wrote; returns the update count it holds."""
+        meta = json.loads(files[CRITIC_META])
+        if meta.get("format") != CRITIC_FORMAT:
+            raise ValueError(f"{CRITIC_META}: not a {CRITIC_FORMAT} file (format {meta.get('format')!r})")
+        tensors = st_load(files[CRITIC_STATE])
+        self.model.load_state_dict({k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")})
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for k, v in tensors.items():
+            if k.startswith("optim/"):
+                _, idx, key = k.split("/", 2)
+                state.setdefault(int(idx), {})[key] = v
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        return int(meta["version"])
+
+
+CRITIC_STATE = "critic/critic.safetensors"
+CRITIC_META = "critic/critic.json"
+CRITIC_FORMAT = "ratchet-critic-state/1"
+
 
 class CriticWorker:
     """Ray actor around `CriticTrainer`, reading and writing the batch store."""
@@ -97,6 +135,18 @@ class CriticWorker:
         self.run = ObjectStore(run_uri)
         # A retried train activity must not fit the critic twice on one step.
         self._updated: tuple[int, dict[str, float]] | None = None
+        self.version = 0  # updates done: equal to the policy version it goes with
+
+    def policy_version(self) -> int:
+        return self.version
+
+    def state_files(self) -> dict[str, bytes]:
+        return self.trainer.state_files(self.version)
+
+    def load_state_files(self, files: dict[str, bytes]) -> int:
+        self.version = self.trainer.load_state_files(files)
+        self._updated = None
+        return self.version
 
     def compute_values(self, step: int, parts: int) -> str:
         store = BatchStore(self.run)
@@ -116,4 +166,5 @@ class CriticWorker:
         metrics = self.trainer.update(batch, old_values, returns)
         metrics["critic_seconds"] = time.perf_counter() - t0
         self._updated = (step, metrics)
+        self.version += 1
         return metrics

@@ -131,9 +131,10 @@ class TrainerWorker:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def start_checkpoint(self, step: int, run_state: dict) -> dict:
+    def start_checkpoint(self, step: int, run_state: dict, extra_files: dict[str, bytes] | None = None) -> dict:
         """Snapshot the state (the only stall), then write, export and upload it in the
-        background. Every rank calls (the snapshot and the write are collectives)."""
+        background. Every rank calls (the snapshot and the write are collectives); rank 0
+        adds `extra_files` (relative path -> bytes: the critic's state) to the checkpoint."""
         from .checkpointing import snapshot
 
         waited = self.wait_checkpoint()["seconds"]  # one checkpoint in flight at a time
@@ -144,13 +145,15 @@ class TrainerWorker:
         full = {k: v.clone() for k, v in self.trainer.full_state().items()}  # for the HF export
         stall = time.perf_counter() - t0
         job = threading.Thread(
-            target=self._write_checkpoint, args=(snap, full if self.rank == 0 else None, name, meta, run_state), daemon=True
+            target=self._write_checkpoint,
+            args=(snap, full if self.rank == 0 else None, name, meta, run_state, extra_files or {}),
+            daemon=True,
         )
         self._checkpointing, self._checkpoint_error = job, None
         job.start()
         return {"name": name, "stall_seconds": stall, "waited_seconds": waited, "policy_version": self.trainer.version}
 
-    def _write_checkpoint(self, snap, full_state, name: str, meta: dict, run_state: dict) -> None:
+    def _write_checkpoint(self, snap, full_state, name: str, meta: dict, run_state: dict, extra_files: dict[str, bytes]) -> None:
         from .checkpointing import write_snapshot
 
         local = staging_dir(self.run.root.rpartition("/")[2], name)
@@ -160,6 +163,9 @@ class TrainerWorker:
                 return
             self._export_local(full_state, local / "hf")
             (local / "run_state.json").write_text(json.dumps(run_state, sort_keys=True))
+            for rel, data in extra_files.items():
+                (local / rel).parent.mkdir(parents=True, exist_ok=True)
+                (local / rel).write_bytes(data)
             ckpts = CheckpointStore(self.run)
             ckpts.commit(name, local, meta)
             c = self.cfg.checkpoint
