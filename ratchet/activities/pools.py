@@ -21,7 +21,7 @@ from ratchet.storage import ObjectStore
 from ratchet.workers.critic import CriticWorker
 from ratchet.workers.reward import RewardWorker
 from ratchet.workers.rollout import RolloutWorker
-from ratchet.workers.trainer import TrainerWorker
+from ratchet.workers.trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
 
 from .ray_calls import wait
 
@@ -56,20 +56,18 @@ class RunPools:
         except ValueError:
             return None
 
-    def _create(self, cls, role: str, rank: int, num_cpus: float, *args, concurrency: int = 1):
-        return (
-            ray.remote(cls)
-            .options(
-                name=self.name(role, rank),
-                namespace=NAMESPACE,
-                lifetime="detached",
-                get_if_exists=True,
-                num_cpus=num_cpus,
-                max_concurrency=concurrency,
-                runtime_env=_actor_env(self.cfg),
-            )
-            .remote(*args)
+    def _create(self, cls, role: str, rank: int, num_cpus: float, *args, concurrency: int = 1, groups: dict | None = None):
+        options = dict(
+            name=self.name(role, rank),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=num_cpus,
+            max_concurrency=concurrency,
+            runtime_env=_actor_env(self.cfg),
         )
+        remote_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
+        return remote_cls.options(**options).remote(*args)
 
     def check_resources(self) -> None:
         """Fail at once, not after a timeout, when the cluster can never place the actors."""
@@ -92,7 +90,10 @@ class RunPools:
         """Create and set up every trainer rank; returns the parameter count."""
         world = self.cfg.trainer.world_size
         ranks = [
-            self._create(TrainerWorker, "trainer", r, self.cfg.resources.trainer_cpus, self.cfg, policy_path, self.run_uri, r, world)
+            self._create(
+                TrainerWorker, "trainer", r, self.cfg.resources.trainer_cpus, self.cfg, policy_path, self.run_uri, r, world,
+                groups=TRAINER_CONCURRENCY_GROUPS,
+            )  # fmt: skip
             for r in range(world)
         ]
         port = wait(ranks[0].rendezvous_port.remote())
@@ -207,7 +208,28 @@ class RunPools:
         """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> the
         rollout engine; returns (bytes moved, the version synced)."""
         target = self._find("rollout") or self.start_rollout(self.initial_policy())
+        if self.cfg.uses_partial_rollouts:
+            pushed = self._push_published(target, at_least=version)
+            if pushed is not None:
+                return pushed
         return self._push_weights(self.trainers(version, at_least=True), target)
+
+    def _push_published(self, target, at_least: int) -> tuple[int, int] | None:
+        """fully_async with partial rollouts, where a sync overlaps the next update: the
+        weights rank 0 published at the end of its last update, read without queueing
+        behind the update running now. None (use `_push_weights`) when there are none of
+        v`at_least` or newer, or the trainer is gone."""
+        rank0 = self._find("trainer", 0)
+        if rank0 is None:
+            return None
+        try:
+            published = wait(rank0.published_weights.remote())
+        except ray.exceptions.RayError:
+            return None
+        if published is None or published[0] < at_least:
+            return None
+        version, ref = published
+        return wait(target.load_weights.remote(ref, version)), version
 
     def _push_weights(self, ranks: list, target) -> tuple[int, int]:
         """Through Ray's object store (never via this process: the ObjectRef is passed on and

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from ray import method as ray_method
 
 from ratchet.config.schema import RunConfig
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
@@ -36,6 +37,8 @@ from .runtime import configure_worker_process
 log = logging.getLogger(__name__)
 
 TRAIN_LOG = "train_log"
+# `published_weights` answers from a thread of its own, while an update runs.
+TRAINER_CONCURRENCY_GROUPS = {"published": 1}
 
 
 def train_log_key(policy_version: int) -> str:
@@ -67,6 +70,9 @@ class TrainerWorker:
         self.trainer: PolicyTrainer | None = None
         self._last = None  # ((step, version it trained), StepResult) of the latest update
         self._checkpointing: threading.Thread | None = None  # the background write and upload
+        # (version, ObjectRef of the full weights) after each update, on rank 0, when syncs
+        # overlap updates (partial rollouts): a sync need not wait for the update in flight.
+        self._published: tuple[int, object] | None = None
         self._checkpoint_error: str | None = None
 
     def rendezvous_port(self) -> int:
@@ -86,6 +92,18 @@ class TrainerWorker:
         """The version held; -1 before `setup` finished (a half-built rank is rebuilt)."""
         return self.trainer.version if self.trainer is not None else -1
 
+    def _publish(self) -> None:
+        import ray
+
+        state = self.trainer.state_numpy()  # every rank: unsharding is a collective
+        if self.rank == 0 and ray.is_initialized():
+            self._published = (self.trainer.version, ray.put(state))
+
+    @ray_method(concurrency_group="published")
+    def published_weights(self) -> tuple[int, object] | None:
+        """The latest published (version, weights ObjectRef), or None."""
+        return self._published
+
     def train(self, step: int, policy_version: int, kl_coef: float, parts: int = 1) -> dict:
         """Update policy v`policy_version` on `step`. A retried activity whose first attempt
         already updated the policy gets that update's result instead of a second update."""
@@ -100,6 +118,8 @@ class TrainerWorker:
             values = store.read(step, "values")[0]["values"] if store.has(step, "values") else None
             result = self.trainer.train_step(data, kl_coef=kl_coef, values=values)
             self._last = ((step, policy_version), result)
+            if self.cfg.uses_partial_rollouts:
+                self._publish()
         if self.rank == 0:
             store.write(step, "advantages", {"advantages": result.advantages, "returns": result.returns}, {})
             self.run.put_json(train_log_key(policy_version), {"batch": step, "parts": parts, "kl_coef": kl_coef})
@@ -122,6 +142,7 @@ class TrainerWorker:
         t0 = time.perf_counter()
         extra = load_trainer_state(self.trainer, local_dir)
         self._last = None  # a retry cache of the replaced state must not answer for the new one
+        self._published = None
         return {
             "version": self.trainer.version,
             "seconds": time.perf_counter() - t0,
