@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from ray import method as ray_method
+import ray
 
 from ratchet.config.schema import RunConfig
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
@@ -93,13 +93,11 @@ class TrainerWorker:
         return self.trainer.version if self.trainer is not None else -1
 
     def _publish(self) -> None:
-        import ray
-
         state = self.trainer.state_numpy()  # every rank: unsharding is a collective
         if self.rank == 0 and ray.is_initialized():
             self._published = (self.trainer.version, ray.put(state))
 
-    @ray_method(concurrency_group="published")
+    @ray.method(concurrency_group="published")
     def published_weights(self) -> tuple[int, object] | None:
         """The latest published (version, weights ObjectRef), or None."""
         return self._published
