@@ -228,14 +228,17 @@ class CheckpointStore:
         """True when every file is stored with the manifest's size and sha256 (reads all bytes)."""
         return not self.problems(name)
 
+    def _newest_first(self, max_step: int | None) -> list[CheckpointInfo]:
+        candidates = self.list()
+        if max_step is not None:
+            candidates = [c for c in candidates if c.step is not None and c.step <= max_step]
+        return candidates[::-1]
+
     def latest(self, valid_only: bool = True, max_step: int | None = None) -> CheckpointInfo | None:
         """The newest committed checkpoint (with `step <= max_step` if given). With
         `valid_only`, a corrupted one is skipped with a warning and the one before it is
         tried, and so on."""
-        candidates = self.list()
-        if max_step is not None:
-            candidates = [c for c in candidates if c.step is not None and c.step <= max_step]
-        for info in reversed(candidates):
+        for info in self._newest_first(max_step):
             if not valid_only:
                 return info
             problems = self.problems(info.name)
@@ -252,10 +255,7 @@ class CheckpointStore:
         the one before it, and so on, while fetch raises CorruptCheckpoint: the bytes are
         read once, by the fetch that verifies them (`download`, `read_files`), not first by
         `latest()` as well. None when no checkpoint is good."""
-        candidates = self.list()
-        if max_step is not None:
-            candidates = [c for c in candidates if c.step is not None and c.step <= max_step]
-        for info in reversed(candidates):
+        for info in self._newest_first(max_step):
             try:
                 return info, fetch(info)
             except CorruptCheckpoint as exc:

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Mapping
 
 import numpy as np
@@ -207,8 +208,6 @@ def _logged_version(key: str) -> int:
 
 def _hf_weights(model_dir) -> dict[str, np.ndarray]:
     """A Hugging Face model folder's weights as float32/int arrays, by parameter name."""
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
     out = {}
