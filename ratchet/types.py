@@ -252,6 +252,18 @@ class FinishOutput:
 
 
 @dataclass
+class ReleaseInput:
+    """Release every Ray actor of a run (any way the run ends: completed, failed, cancelled)."""
+
+    run_id: str
+
+
+@dataclass
+class ReleaseOutput:
+    released: list[str] = field(default_factory=list)  # actor names killed
+
+
+@dataclass
 class Progress:
     """What the `progress` query returns."""
 
