@@ -32,6 +32,27 @@ NAMESPACE = "ratchet"
 WORKER_LOST = "WorkerLost"
 
 
+def release_run_actors(run_id: str, *, timeout_s: float = 30.0) -> list[str]:
+    """Kill every named actor of run `run_id` (whatever roles and world size it had) and
+    wait for their names to be free; returns the names killed. Needs no config, so it
+    works on every way out of a run, also when the run failed before its config was stored."""
+    prefix = f"{run_id}/"
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE or not entry["name"].startswith(prefix):
+            continue
+        try:
+            ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            continue  # gone meanwhile
+        killed.append(entry["name"])
+    deadline = time.monotonic() + timeout_s
+    for name in killed:
+        while RunPools._find_named(name) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return killed
+
+
 def _actor_env(cfg: RunConfig) -> dict:
     threads = str(cfg.resources.torch_threads)
     return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}

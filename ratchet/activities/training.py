@@ -29,6 +29,8 @@ from ratchet.types import (
     FinishOutput,
     PrepareInput,
     PrepareOutput,
+    ReleaseInput,
+    ReleaseOutput,
     RolloutInput,
     RunRef,
     ScoreInput,
@@ -45,7 +47,9 @@ from ratchet.types import (
 )
 from ratchet.workers.warmup import warmup_policy
 
-from .pools import RunPools
+from ratchet.ids import check_id
+
+from .pools import RunPools, release_run_actors
 from .ray_calls import wait
 
 log = logging.getLogger(__name__)
@@ -220,6 +224,17 @@ def finish_run(inp: FinishInput) -> FinishOutput:
     return FinishOutput(final_policy_uri=uri)
 
 
+@activity.defn(name="release_run")
+def release_run(inp: ReleaseInput) -> ReleaseOutput:
+    """Kill the run's actors, however the run ended (the workflow calls it on failure and
+    cancellation too): a failed run must not keep its CPUs from the next one."""
+    killed = release_run_actors(check_id(inp.run_id))
+    if killed:
+        log.info("run %s: released %s", inp.run_id, ", ".join(killed))
+    return ReleaseOutput(released=killed)
+
+
 ALL_ACTIVITIES = [
     prepare_run, warmup, start_workers, generate, score, train, sync_weights, evaluate, checkpoint, record_step, finish_run,
+    release_run,
 ]  # fmt: skip
