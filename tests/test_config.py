@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 import subprocess
 import sys
@@ -27,12 +28,21 @@ class Setup:
         return self.yaml
 
 
+@functools.cache
+def _tokenizer():
+    from ratchet.models.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
 @pytest.fixture
 def setup(tmp_path: Path) -> Setup:
+    """A model folder with a tokenizer but no weights: validation reads no weights."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
-    train = write_task_parquet(tmp_path / "data" / "train.parquet", "copy", 8, seed=0)
+    (model / "config.json").write_text('{"max_position_embeddings": 128}')
+    _tokenizer().save_pretrained(model)
+    train = write_task_parquet(tmp_path / "data" / "train.parquet", "copy", 16, seed=0)
     yaml_path = tmp_path / "run.yaml"
     yaml_path.write_text(
         textwrap.dedent(

@@ -23,6 +23,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
+from ratchet.config import credentials
+from ratchet.config.dataset_check import check_data
 from ratchet.config.schema import RunConfig
 from ratchet.tasks.loading import RewardLoadError, load_reward_fn
 
@@ -77,6 +79,10 @@ def load_config(
         raise TypeError("give a YAML path or a base dict, not both")
     start = _load_yaml(Path(path)) if path is not None else OmegaConf.create(dict(base or {}))
     merged = _apply_overrides(start, overrides)
+    # Before resolving: `${oc.env:AWS_SECRET_ACCESS_KEY}` is refused by name, whether set or not.
+    refused = credentials.check_interpolations(OmegaConf.to_container(merged, resolve=False))
+    if refused:
+        raise ConfigError(refused)
     try:
         data = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
@@ -95,6 +101,11 @@ def validate_config(data: Mapping[str, Any], *, check_files: bool = True) -> Run
     """
     if not isinstance(data, Mapping):
         raise ConfigError([("(config)", f"expected a mapping of sections, got {type(data).__name__}")])
+    # First and alone: the other checks echo the values they refuse, and a credential must
+    # not reach a terminal or a log that way.
+    refused = credentials.check_values(data)
+    if refused:
+        raise ConfigError(refused)
     try:
         cfg = RunConfig.model_validate(dict(data))
     except ValidationError as exc:
@@ -102,7 +113,13 @@ def validate_config(data: Mapping[str, Any], *, check_files: bool = True) -> Run
     cfg = _resolve_paths(cfg)
     issues = _check_batch_split(cfg)
     if check_files:
-        issues = _check_files(cfg) + issues
+        file_issues = _check_files(cfg)
+        # The data checks read what the file checks vouch for; a missing model or dataset
+        # is already reported and would only add noise.
+        blamed = {path for path, _ in file_issues}
+        if not blamed & {"model.path", "data.train_files", "data.eval_files"}:
+            file_issues += check_data(cfg)
+        issues = file_issues + issues
     if issues:
         raise ConfigError(issues)
     return cfg
@@ -182,6 +199,8 @@ def _translate(err: ErrorDetails) -> Issue:
         allowed = _literal_values(loc)
         expected = ", ".join(str(v) for v in allowed) if allowed else ctx.get("expected", "?")
         return path, f"expected one of: {expected}; {got}"
+    if kind == "finite_number":
+        return path, f"must be a finite number, {got}; nan and inf are refused"
     if kind in ("float_type", "float_parsing"):
         return path, f"expected a number, {got}"
     if kind in ("int_type", "int_parsing", "int_from_float", "int_parsing_size"):

@@ -7,13 +7,58 @@ silently ignored for a whole run. Each field's description is its documentation;
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+import types
+import typing
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+# The per-step sampling seed is `(seed * 1_000_003 + step) * 101 + part` (workers/rollout.py;
+# `part` < algorithm.max_sampling_rounds). With these bounds it stays below 4.4e17, far under
+# the 2**63 that torch.manual_seed and int64 tensors accept, and distinct per (step, part).
+MAX_SEED = 2**32 - 1  # numpy's seed range too (checkpointing.enable_determinism)
+MAX_STEPS = 10**9
+MAX_SAMPLING_ROUNDS = 100  # < 101, the multiplier that keeps per-part seeds distinct
+
+UnitInterval = Annotated[float, Field(ge=0, lt=1)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: a nan learning rate or an infinite timeout is refused at submit
+    # instead of poisoning the weights or making `timedelta` raise inside workflow code.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic turns `true` into 1 for a number field (`loop.steps=true` ran one step)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None or not _numeric(field.annotation):
+            return value
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(item, bool) for item in items):
+            kind = "an integer" if _numeric(field.annotation) is int else "a number"
+            raise ValueError(f"expected {kind}, got {_bool_text(value)}; write the number itself, e.g. 1, not true")
+        return value
+
+
+def _numeric(annotation: Any) -> type | None:
+    """int or float when the annotation holds numbers (also inside Optional, tuples, Annotated)."""
+    if annotation in (int, float):
+        return annotation
+    if typing.get_origin(annotation) is Annotated:
+        return _numeric(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (tuple, typing.Union, types.UnionType):
+        found = [_numeric(arg) for arg in typing.get_args(annotation) if arg is not type(None)]
+        return next((kind for kind in found if kind is not None), None)
+    return None
+
+
+def _bool_text(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_bool_text(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 class ModelConfig(Section):
@@ -61,6 +106,13 @@ class RewardConfig(Section):
         None, description="Folder of a reward model (AutoModelForSequenceClassification, one label); null for none."
     )
     model_weight: float = Field(1.0, description="Weight of the reward model's score in the mix.")
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=1800,  # the score activity's own time limit (workflows/training.py PHASES)
+        description="Time limit in seconds of one reward call (one batch), at most 1800: a call that runs longer fails "
+        "its attempt and the reward worker is replaced.",
+    )
 
     @model_validator(mode="after")
     def _some_reward(self) -> "RewardConfig":
@@ -114,7 +166,9 @@ class AlgorithmConfig(Section):
     kl: KLConfig = Field(default_factory=KLConfig)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards all agree and refill with new prompts.")
-    max_sampling_rounds: int = Field(3, ge=1, description="Dynamic sampling: most rollout rounds per step before training on what is kept.")
+    max_sampling_rounds: int = Field(
+        3, ge=1, le=MAX_SAMPLING_ROUNDS, description="Dynamic sampling: most rollout rounds per step before training on what is kept."
+    )
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
 
     @field_validator("adv_estimator")
@@ -143,7 +197,7 @@ class CriticConfig(Section):
 class TrainerConfig(Section):
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    betas: tuple[UnitInterval, UnitInterval] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
@@ -165,14 +219,18 @@ class LoopConfig(Section):
     max_staleness: int = Field(1, ge=0, description="fully_async: most policy versions a sample may lag when trained on; staler batches are dropped and their prompts redone.")
     queue_limit: int = Field(2, ge=1, description="fully_async: most batches generated ahead of the trainer (in flight + ready).")
     sync_every: int = Field(1, ge=1, description="fully_async: sync weights to the rollout engines every this many updates.")
-    steps: int = Field(20, ge=1, description="RL steps to run.")
+    steps: int = Field(20, ge=1, le=MAX_STEPS, description="RL steps to run.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per rollout batch (samples = prompts * rollout.n).")
     eval_every: int = Field(0, ge=0, description="Greedy evaluation every this many steps (0: only before and after).")
     continue_as_new_every: int = Field(
         0, ge=0, description="Continue the workflow as new every this many steps (0: only when Temporal suggests it)."
     )
     heartbeat_timeout_s: float = Field(
-        30.0, gt=1, description="An activity whose worker process stops heartbeating for this long is retried elsewhere."
+        30.0,
+        gt=1,
+        le=600,
+        description="An activity whose worker process stops heartbeating for this long is retried elsewhere; at most "
+        "600 s, the time limit of the shortest heartbeating activity, beyond which it would never fire.",
     )
 
 
@@ -186,8 +244,36 @@ class CheckpointConfig(Section):
     keep_every: int = Field(0, ge=0, description="...and every checkpoint whose step is a multiple of this (0: none).")
 
 
+STORAGE_SCHEMES = ("file", "s3", "s3a", "minio", "memory")
+_URL_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: C: is a Windows drive
+
+
 class StorageConfig(Section):
-    root: str = Field(".ratchet/runs", description="Object-store URL or local folder under which each run gets a folder.")
+    root: str = Field(
+        ".ratchet/runs",
+        description="Local folder, or object-store URL (file://, s3://bucket/prefix, minio://bucket/prefix, memory://), "
+        "under which each run gets a folder.",
+    )
+
+    @field_validator("root")
+    @classmethod
+    def _known_scheme(cls, root: str) -> str:
+        """Any other fsspec protocol (or a `s3:/` typo read as a local folder) would fail, or
+        write somewhere unexpected, only once the workers start."""
+        supported = "a local folder, " + ", ".join(f"{s}://" for s in STORAGE_SCHEMES)
+        if not root.strip():
+            raise ValueError(f"empty; set {supported}")
+        match = _URL_PREFIX.match(root)
+        if "::" in root or (match and not root.startswith(f"{match.group(1)}://")):
+            raise ValueError(f"{root!r} is not a URL ratchet supports; use {supported}")
+        if match is None:
+            return root
+        scheme = match.group(1).lower()
+        if scheme not in STORAGE_SCHEMES:
+            raise ValueError(f"unknown storage scheme {scheme + '://'!r} in {root!r}; supported: {supported}")
+        if scheme in ("s3", "s3a", "minio") and not root.split("://", 1)[1].strip("/"):
+            raise ValueError(f"{root!r} names no bucket; use {scheme}://bucket[/prefix]")
+        return root
 
 
 class ResourcesConfig(Section):
@@ -199,14 +285,18 @@ class ResourcesConfig(Section):
 
 
 class TrackingConfig(Section):
-    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; the run id is '<name>-<timestamp>'.")
+    name: str = Field(
+        "run",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+        description="Run name (letters, digits, '_', '.', '-'; at most 100); the run id is '<name>-<timestamp>-<random>'.",
+    )
     tags: list[str] = Field(default_factory=list, description="Free-form tags stored with the run.")
 
 
 class RunConfig(Section):
     """A whole training run. YAML plus dotted overrides, merged with OmegaConf."""
 
-    seed: int = Field(0, description="Seed for sampling, data order and initialisation.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for sampling, data order and initialisation (0 to 2**32 - 1).")
     deterministic: bool = Field(
         False,
         description="Deterministic torch kernels in the workers (sampling is always seeded per batch) and a fixed "

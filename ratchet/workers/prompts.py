@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
+from ratchet.config.dataset_check import encode_prompts
+
 
 class PromptSet:
     def __init__(self, path: str, tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 1024):
@@ -11,14 +13,11 @@ class PromptSet:
         if not table:
             raise ValueError(f"{path}: no rows")
         self.rows = table
-        self.token_ids: list[list[int]] = []
-        for i, row in enumerate(table):
-            messages = row[prompt_key]
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        # The same encoding the submit-time check measured (config/dataset_check.py).
+        self.token_ids = encode_prompts(tokenizer, [row[prompt_key] for row in table])
+        for i, ids in enumerate(self.token_ids):
             if len(ids) > max_prompt_length:
                 raise ValueError(f"{path} row {i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")
-            self.token_ids.append(list(ids))
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -1,0 +1,301 @@
+"""Check the datasets, the tokenizer and the model's context against a config at submit time.
+
+Without these checks a bad row surfaces late and badly: a plain-string prompt tokenizes to
+an empty prompt, a missing `reward_model` scores against "", an int ground truth or a
+missing `data_source` raises inside the reward function, and a missing column, an
+over-long prompt, a tokenizer without a pad token or a chat template fail inside the
+rollout actor, retried five times. Here each problem is one issue naming the file's field,
+the first few rows (counted from 0, as pyarrow and pandas do) and how many rows share it.
+
+Each file is read once (pyarrow, only the columns the run uses) and its prompts are
+tokenized in one batch, with the call the rollout makes (`apply_chat_template` with the
+generation prompt, workers/prompts.py), so a prompt passes here if and only if the rollout
+accepts it. transformers and pyarrow are imported inside the functions: validating a
+config without `check_files` stays free of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ratchet.config.schema import RunConfig
+
+Issue = tuple[str, str]
+
+MAX_ROWS_SHOWN = 5
+# config.json keys that give a model's context length, by architecture family.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+LAYOUT = "verl's layout: prompt (chat messages), data_source, reward_model {ground_truth}, extra_info"
+
+
+class RowProblems:
+    """Rows grouped by problem, so 10,000 bad rows make one issue, not 10,000."""
+
+    def __init__(self, field: str, total: int) -> None:
+        self.field = field
+        self.total = total
+        self._rows: dict[str, list[int]] = {}
+
+    def add(self, row: int, problem: str) -> None:
+        self._rows.setdefault(problem, []).append(row)
+
+    def issues(self) -> list[Issue]:
+        return [(self.field, f"{self._where(rows)}: {problem}") for problem, rows in self._rows.items()]
+
+    def _where(self, rows: list[int]) -> str:
+        if len(rows) == 1:
+            return f"row {rows[0]}"
+        shown = ", ".join(str(r) for r in rows[:MAX_ROWS_SHOWN])
+        more = f" and {len(rows) - MAX_ROWS_SHOWN} more" if len(rows) > MAX_ROWS_SHOWN else ""
+        every = "every row" if len(rows) == self.total else f"{len(rows)} of {self.total} rows"
+        return f"rows {shown}{more} ({every})"
+
+
+def check_data(cfg: RunConfig) -> list[Issue]:
+    """Issues with the model's context, its tokenizer and the train and eval files.
+
+    Assumes the basic file checks passed for what it reads (callers skip a missing folder)."""
+    issues = check_context(cfg)
+    tokenizer, tokenizer_issues = load_tokenizer(cfg)
+    issues += tokenizer_issues
+    datasets = [("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)]
+    for field, path in datasets:
+        if path is None:
+            continue
+        rows, file_issues = check_dataset(cfg, field, path, tokenizer)
+        issues += file_issues
+        if field == "data.train_files" and rows is not None and rows < cfg.loop.prompts_per_step:
+            issues.append(
+                (
+                    "loop.prompts_per_step",
+                    f"{cfg.loop.prompts_per_step} prompts per step, but data.train_files has only {rows} rows, so a "
+                    f"batch would hold the same prompt twice; set loop.prompts_per_step to at most {rows} or add rows",
+                )
+            )
+    return issues
+
+
+# --- the model -----------------------------------------------------------------------------
+
+
+def context_length(model_path: str) -> int | None:
+    """The context length a model folder's config.json declares, or None when it declares none."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text_config = config.get("text_config")  # multimodal models keep the LM's settings here
+    for section in (config, text_config if isinstance(text_config, dict) else {}):
+        for key in CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def check_context(cfg: RunConfig) -> list[Issue]:
+    """Prompt plus response must fit every model that reads them (policy, critic, reward model)."""
+    prompt, response = cfg.data.max_prompt_length, cfg.rollout.max_response_length
+    readers = [("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path)]
+    if cfg.uses_critic:
+        readers.append(("critic.model_path" if cfg.critic.model_path else "model.path", cfg.critic.model_path or cfg.model.path))
+    issues: list[Issue] = []
+    for field, path in dict.fromkeys(readers):
+        limit = context_length(path) if path else None
+        if limit is not None and prompt + response > limit:
+            issues.append(
+                (
+                    "rollout.max_response_length",
+                    f"data.max_prompt_length={prompt} + rollout.max_response_length={response} = {prompt + response} "
+                    f"tokens exceed the context of {field} ({limit} tokens, from {path}/config.json); "
+                    f"lower them to {limit} in total",
+                )
+            )
+    return issues
+
+
+def load_tokenizer(cfg: RunConfig) -> tuple[Any, list[Issue]]:
+    """The policy's tokenizer, as the rollout loads it, and what it lacks for this run."""
+    folder = Path(cfg.model.path)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None, [
+            (
+                "model.path",
+                f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save it next to the weights "
+                "(tokenizer.save_pretrained(folder)), or run `ratchet prepare` for the demo model",
+            )
+        ]
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    except Exception as exc:  # any failure to load is a problem of the model folder
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 300 else text[:297] + "..."
+        return None, [("model.path", f"cannot load the tokenizer from {folder}: {type(exc).__name__}: {text}")]
+    issues: list[Issue] = []
+    if tokenizer.pad_token_id is None:
+        # The rollout pads prompts and responses with it (workers/engines/hf.py); it does
+        # not fall back to the eos token.
+        issues.append(
+            (
+                "model.path",
+                f"the tokenizer in {cfg.model.path} has no pad token, which the rollout pads batches with; "
+                "set pad_token in its tokenizer_config.json (the eos token will do)",
+            )
+        )
+    if tokenizer.eos_token_id is None and cfg.warmup.steps > 0:
+        issues.append(
+            (
+                "model.path",
+                f"the tokenizer in {cfg.model.path} has no eos token, which the warm-up appends to every answer; "
+                "set eos_token in its tokenizer_config.json, or warmup.steps=0",
+            )
+        )
+    if not getattr(tokenizer, "chat_template", None):
+        issues.append(
+            (
+                "model.path",
+                f"the tokenizer in {cfg.model.path} has no chat template, and prompts are chat messages the rollout "
+                "renders with it; use an instruct model, or add a chat_template to its tokenizer_config.json",
+            )
+        )
+        return None, issues  # prompts cannot be measured without one
+    return tokenizer, issues
+
+
+# --- one dataset ---------------------------------------------------------------------------
+
+
+def required_columns(cfg: RunConfig) -> dict[str, str]:
+    """Column -> why the run needs it."""
+    needed = {cfg.data.prompt_key: "the prompts (data.prompt_key)"}
+    if cfg.reward.function is not None:
+        needed["data_source"] = "reward.function receives it"
+        needed["reward_model"] = "reward.function receives reward_model.ground_truth"
+    elif cfg.warmup.steps > 0:
+        needed["reward_model"] = "the warm-up trains on reward_model.ground_truth"
+    return needed
+
+
+def check_dataset(cfg: RunConfig, field: str, path: str, tokenizer: Any) -> tuple[int | None, list[Issue]]:
+    """(row count, issues) of one parquet file; the count is None when the file cannot be read."""
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        present = set(parquet.schema_arrow.names)
+    except Exception as exc:  # not a parquet file, truncated, unreadable
+        return None, [(field, f"cannot read {path} as parquet: {type(exc).__name__}: {_first_line(exc)}")]
+    needed = required_columns(cfg)
+    missing = [column for column in needed if column not in present]
+    if missing:
+        hint = "; set data.prompt_key to the column that holds the prompts" if cfg.data.prompt_key in missing else ""
+        details = "; ".join(f"{c!r} ({needed[c]})" for c in missing)
+        columns = ", ".join(sorted(present)) or "none"
+        return parquet.metadata.num_rows, [(field, f"missing columns {details}; its columns: {columns}; expected {LAYOUT}{hint}")]
+    wanted = [c for c in (*needed, "extra_info") if c in present]
+    table = parquet.read(columns=wanted)
+    if table.num_rows == 0:
+        return 0, [(field, f"{path} has no rows")]
+    problems = RowProblems(field, table.num_rows)
+    columns = {name: table.column(name).to_pylist() for name in wanted}
+    prompts = columns[cfg.data.prompt_key]
+    for row in range(table.num_rows):
+        check_row(cfg, {name: values[row] for name, values in columns.items()}, row, problems)
+    if tokenizer is not None:
+        check_prompt_lengths(cfg, tokenizer, prompts, problems)
+    return table.num_rows, problems.issues()
+
+
+def check_row(cfg: RunConfig, row: dict[str, Any], index: int, problems: RowProblems) -> None:
+    key = cfg.data.prompt_key
+    problem = prompt_problem(row[key])
+    if problem is not None:
+        problems.add(index, f"{key} {problem}")
+    if "data_source" in row and not (isinstance(row["data_source"], str) and row["data_source"]):
+        problems.add(index, f"data_source must be a non-empty string (the task name the reward function reads), got {_kind(row['data_source'])}")
+    if "reward_model" in row:
+        spec = row["reward_model"]
+        if not isinstance(spec, dict):
+            problems.add(index, f"reward_model must be a mapping {{ground_truth: str, style?}}, got {_kind(spec)}")
+        elif not isinstance(spec.get("ground_truth"), str):
+            problems.add(
+                index,
+                f"reward_model.ground_truth must be a string, got {_kind(spec.get('ground_truth'))}; "
+                "store answers as text (e.g. '42', not 42)",
+            )
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        problems.add(index, f"extra_info must be a mapping or null, got {_kind(extra)}")
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """What is wrong with one prompt value, or None for a list of {role, content} messages."""
+    expected = "must be a list of chat messages {role, content}"
+    if not isinstance(prompt, list):
+        return f"{expected}, got {_kind(prompt)}"
+    if not prompt:
+        return f"{expected}, got an empty list"
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            return f"{expected}, but message {i} is {_kind(message)}"
+        for part in ("role", "content"):
+            if not isinstance(message.get(part), str):
+                return f"{expected}, but message {i} has {_kind(message.get(part))} as its {part}"
+    return None
+
+
+def check_prompt_lengths(cfg: RunConfig, tokenizer: Any, prompts: Sequence[Any], problems: RowProblems) -> None:
+    """Tokenize the well-formed prompts in one batch and flag those over data.max_prompt_length."""
+    rows = [i for i, p in enumerate(prompts) if prompt_problem(p) is None]
+    if not rows:
+        return
+    try:
+        lengths = dict(zip(rows, (len(ids) for ids in encode_prompts(tokenizer, [prompts[i] for i in rows]))))
+    except Exception:
+        # The chat template refused some conversation (e.g. roles that do not alternate):
+        # find which, one row at a time; only this failure path pays per row.
+        lengths = {}
+        for i in rows:
+            try:
+                lengths[i] = len(encode_prompts(tokenizer, [prompts[i]])[0])
+            except Exception as exc:
+                problems.add(i, f"the tokenizer's chat template refuses this prompt: {type(exc).__name__}: {_first_line(exc)}")
+    limit = cfg.data.max_prompt_length
+    too_long = [i for i, n in lengths.items() if n > limit]
+    if too_long:
+        longest = max(lengths[i] for i in too_long)
+        for i in too_long:
+            problems.add(
+                i,
+                f"prompt is longer than data.max_prompt_length={limit} tokens with the chat template (the longest has "
+                f"{longest}); raise data.max_prompt_length or drop these rows",
+            )
+
+
+def encode_prompts(tokenizer: Any, conversations: list[list[dict]]) -> list[list[int]]:
+    """Token ids of chat conversations, exactly as the rollout builds them (workers/prompts.py)."""
+    out = tokenizer.apply_chat_template(conversations, tokenize=True, add_generation_prompt=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return [list(i) for i in ids]
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    name = type(value).__name__
+    article = "an" if name[:1] in "aeiou" else "a"
+    return f"{article} {name}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
