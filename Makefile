@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ratchet demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x -p no:cacheprovider
+	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25
 
 clean:
 	rm -rf $(VENV) .ratchet

@@ -87,13 +87,11 @@ class ChaosPlatform:
     def restart_ray(self) -> None:
         """The Ray head and every actor on it go; the worker process (a Ray driver) is
         restarted with it, as its supervisor would once its Ray connection is lost."""
-        from ratchet.platform.services import _stop_ray
+        from ratchet.platform.services import restart_ray
 
-        rec = json.loads(self.settings.state_file.read_text())["services"]["ray"]
         self.worker.kill()
         self.worker.wait()
-        _stop_ray(rec, 10.0)
-        up(self.settings)
+        restart_ray(self.settings)  # the same port and token: the new worker joins with it
         self.worker = start_worker_process(self.settings)
 
     def close(self) -> None:

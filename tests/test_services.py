@@ -125,6 +125,7 @@ def test_up_starts_temporal_and_ray(running):
     assert st.object_store_root == Path(settings.state_dir) / "runs"
     assert st.object_store_root.is_dir()
     assert Path(st.ray_temp_dir) == Path(settings.state_dir) / "ray"
+    assert (st.ray_auth_mode, st.ray_auth_token_path) == ("token", str(svc.ray_token_path(settings)))
     assert _accepts("127.0.0.1", settings.temporal_ui_port)  # the web UI is on
 
     now = svc.status(settings)
@@ -149,6 +150,7 @@ def test_up_starts_temporal_and_ray(running):
     out = subprocess.run(
         [sys.executable, "-c", code, st.ray_address],
         capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, **svc.ray_auth_env(settings)),  # the head's token
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "42"

@@ -22,7 +22,7 @@ from rich.console import Console
 from .assets import prepare_assets
 from .client import RECIPE_PATH as RECIPE
 from .client import Client
-from .services import ServiceSettings, ray_address, temporal_address, up
+from .services import ServiceSettings, ray_address, ray_auth_env, temporal_address, up
 from .watch import summary_table, watch
 
 
@@ -31,6 +31,8 @@ def start_worker_process(settings: ServiceSettings) -> subprocess.Popen:
     log_dir = Path(settings.state_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, RATCHET_TEMPORAL_ADDRESS=temporal_address(settings), RATCHET_RAY_ADDRESS=ray_address(settings))
+    # The token's path (not the token) in the environment: the worker joins Ray with it.
+    env.update(ray_auth_env(settings))
     with open(log_dir / "worker.log", "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "ratchet.platform.worker"], env=env, stdout=log, stderr=subprocess.STDOUT)
 

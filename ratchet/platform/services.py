@@ -17,6 +17,12 @@ inherits that session id, and ``down`` signals the processes of that session (fo
 through ``/proc``) after checking that the session still holds our GCS server.
 
 ``status`` reports what runs, starting nothing.
+
+Ray runs with token authentication: ``up`` keeps a random token in
+``<state>/ray_auth_token`` (mode 0600) and starts the head with ``RAY_AUTH_MODE=token``
+and ``RAY_AUTH_TOKEN_PATH`` pointing at it; every process that joins (the worker, a
+driver) gets the same two variables from ``ray_auth_env``. The token itself never
+appears on a command line, in services.json or in a log.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ import importlib.util
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -54,13 +62,19 @@ __all__ = [
     "temporal_address",
     "temporal_ui_url",
     "ray_address",
+    "ray_auth_env",
+    "ray_token_path",
     "object_store_root",
+    "restart_ray",
 ]
 
 DEFAULT_STATE_DIR = Path(".ratchet")
 STATE_FILE = "services.json"
 LOCK_FILE = "services.lock"
 STATE_VERSION = 1
+RAY_TOKEN_FILE = "ray_auth_token"
+# The variables through which Ray learns its authentication mode and token.
+RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 # AF_UNIX socket paths are limited to 108 bytes on Linux (107 usable). Ray puts its
 # sockets at <temp_dir>/session_<YYYY-mm-dd_HH-MM-SS_ffffff>_<pid>/sockets/<name>;
@@ -178,6 +192,10 @@ class ServiceSettings:
     def ray_log(self) -> Path:
         return self.logs_dir / "ray.log"
 
+    @property
+    def ray_token_file(self) -> Path:
+        return self.state_dir / RAY_TOKEN_FILE
+
 
 # Which env var chooses which port (for error messages).
 _PORT_ENV = {
@@ -203,6 +221,85 @@ def ray_address(settings: ServiceSettings) -> str:
 
 def object_store_root(settings: ServiceSettings) -> Path:
     return settings.state_dir / "runs"
+
+
+# --------------------------------------------------------------------------- ray auth
+
+
+def ray_token_path(settings: ServiceSettings) -> Path:
+    """The file that holds the token of ratchet's Ray head (``<state>/ray_auth_token``)."""
+    return settings.ray_token_file
+
+
+def _user_ray_auth(environ: Any) -> dict[str, str]:
+    """The RAY_AUTH_* variables the user set; they win over ratchet's own token."""
+    return {k: environ[k] for k in RAY_AUTH_VARS if environ.get(k)}
+
+
+def _recorded_ray(settings: ServiceSettings) -> dict[str, Any] | None:
+    if not settings.state_file.exists():
+        return None
+    return _load_state(settings)["services"].get("ray")
+
+
+def ray_auth_env(settings: ServiceSettings, environ: Any = None) -> dict[str, str]:
+    """The variables a process needs to join the Ray head of ``settings`` (the worker,
+    a driver, a test): merge them into its environment before it imports ray.
+
+    A user's own RAY_AUTH_MODE / RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH win. Otherwise the
+    mode the recorded head runs with and the path of ratchet's token file; never the
+    token itself, so that it stays off command lines and out of logs. Empty when there
+    is neither a recorded head nor a token file (a Ray cluster ratchet did not start).
+    """
+    environ = os.environ if environ is None else environ
+    user = _user_ray_auth(environ)
+    if user:
+        # A token without a mode: `ray.init(address=...)` would connect without sending it.
+        user.setdefault("RAY_AUTH_MODE", "token")
+        return user
+    rec = _recorded_ray(settings)
+    if rec is not None and rec.get("auth_mode", "token") != "token":
+        # A head started without token auth (by an older ratchet, or on the user's
+        # request): a driver must use the same mode, or Ray refuses it.
+        return {"RAY_AUTH_MODE": str(rec["auth_mode"])}
+    path = Path((rec or {}).get("auth_token_path") or settings.ray_token_file)
+    if not path.is_file():
+        return {}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+
+
+def _write_new_token(path: Path) -> None:
+    # O_EXCL with mode 0600: the file is never readable by others, not even for an
+    # instant, and a file or link put there by someone else is not followed.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _ensure_ray_token(settings: ServiceSettings) -> Path:
+    """``<state>/ray_auth_token``, created with a random token when missing. A token
+    that others could have read (group or world bits set) or an empty file is replaced."""
+    path = settings.ray_token_file
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        _write_new_token(path)
+        logger.info("created a Ray authentication token in %s (mode 0600)", path)
+        return path
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise ServiceError(
+            f"{path} (the Ray authentication token) must be a regular file owned by you; "
+            "remove it and run `ratchet up` again to create a new token."
+        )
+    if st.st_mode & 0o077 or st.st_size == 0:
+        logger.warning(
+            "%s was readable by other users or empty; replacing the Ray token", path
+        )
+        path.unlink()
+        _write_new_token(path)
+    return path
 
 
 # --------------------------------------------------------------------------- status
@@ -233,6 +330,10 @@ class ServicesStatus:
     state_dir: Path
     ray_temp_dir: str | None = None
     started: list[str] = field(default_factory=list)  # what the `up` call started
+    # How the recorded Ray head authenticates ("token"; another value: no authentication)
+    # and where its token lives (the path, never the token).
+    ray_auth_mode: str | None = None
+    ray_auth_token_path: str | None = None
 
     @property
     def all_running(self) -> bool:
@@ -697,12 +798,23 @@ def _start_ray(settings: ServiceSettings) -> dict[str, Any]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env["RAY_USAGE_STATS_ENABLED"] = "0"
-    # With RAY_AUTH_MODE unset, `ray start` turns token auth on as soon as
-    # ~/.ray/auth_token exists (any local `ray.init()` writes one), while
-    # `ray.init(address=...)` never does: drivers would then fail with
-    # InvalidAuthToken. Pin the mode; a user's explicit RAY_AUTH_MODE wins (their
-    # drivers see the same variable).
-    env.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray binds its ports on every interface whatever --node-ip-address says: token
+    # authentication is what keeps others out. The head, its workers (they inherit
+    # this environment) and every driver (`ray_auth_env`) use the same mode and token.
+    # A user's explicit RAY_AUTH_* variables win.
+    if _user_ray_auth(os.environ):
+        auth = ray_auth_env(settings)
+        source = "environment"
+    else:
+        auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(_ensure_ray_token(settings))}
+        source = "ratchet"
+    if auth["RAY_AUTH_MODE"] != "token":
+        logger.warning(
+            "starting Ray with RAY_AUTH_MODE=%s from your environment: anyone who can reach "
+            "its ports can run code on this machine; unset RAY_AUTH_MODE to use a token",
+            auth["RAY_AUTH_MODE"],
+        )
+    env.update(auth)
     log_path = settings.ray_log
     started_at = _now()
     # A new session: every Ray process started by `ray start` inherits its id.
@@ -717,7 +829,10 @@ def _start_ray(settings: ServiceSettings) -> dict[str, Any]:
         "address": ray_address(settings),
         "temp_dir": str(temp_dir),
         "session_dir": None,
-        "auth_mode": env["RAY_AUTH_MODE"],
+        "auth_mode": auth["RAY_AUTH_MODE"],
+        # The path only: the token stays out of this file.
+        "auth_token_path": auth.get("RAY_AUTH_TOKEN_PATH"),
+        "auth_source": source,
         "log_file": str(log_path),
         "cmd": cmd,
         "started_at": started_at,
@@ -828,6 +943,13 @@ def up(settings: ServiceSettings | None = None) -> ServicesStatus:
             logger.info(
                 "Ray already running (gcs pid %s) at %s", rec_r["gcs_pid"], rec_r["address"]
             )
+            if rec_r.get("auth_mode") != "token":
+                logger.warning(
+                    "the running Ray head (gcs pid %s) has no token authentication (started "
+                    "by an older ratchet or with RAY_AUTH_MODE=%s); anyone who can reach its "
+                    "ports can run code. Run `ratchet down` and `ratchet up` to restart it "
+                    "with a token.", rec_r["gcs_pid"], rec_r.get("auth_mode"),
+                )  # fmt: skip
 
         # Remnants of recorded services that died or hang.
         if need_temporal and rec_t:
@@ -908,6 +1030,19 @@ def down(settings: ServiceSettings | None = None) -> list[str]:
     return stopped
 
 
+def restart_ray(settings: ServiceSettings | None = None) -> ServicesStatus:
+    """Stop ratchet's Ray head (every actor on it goes) and start it again on the same
+    port with the same token. Temporal is left running (started if it is not)."""
+    settings = settings or ServiceSettings.from_env()
+    with _locked(settings):
+        state = _load_state(settings)
+        rec = state["services"].pop("ray", None)
+        if rec is not None:
+            _stop_ray(rec, settings.stop_timeout_s)
+            _save_state(settings, state)
+    return up(settings)
+
+
 def status(settings: ServiceSettings | None = None) -> ServicesStatus:
     """What runs now; starts nothing and creates nothing."""
     settings = settings or ServiceSettings.from_env()
@@ -953,4 +1088,6 @@ def status(settings: ServiceSettings | None = None) -> ServicesStatus:
         namespace=settings.namespace,
         state_dir=settings.state_dir,
         ray_temp_dir=ray_temp,
+        ray_auth_mode=rec_r.get("auth_mode") if rec_r else None,
+        ray_auth_token_path=rec_r.get("auth_token_path") if rec_r else None,
     )
