@@ -3,6 +3,7 @@ checkpoint stores on top of it."""
 
 from .batch_store import BatchStore
 from .checkpoint_store import CheckpointInfo, CheckpointStore, CorruptCheckpoint
+from .keys import UnsafeKey
 from .metrics_log import MetricsLog
 from .object_store import ObjectStore, StoreUnavailable, Transfer
 
@@ -15,4 +16,5 @@ __all__ = [
     "ObjectStore",
     "StoreUnavailable",
     "Transfer",
+    "UnsafeKey",
 ]

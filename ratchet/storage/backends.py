@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 
 import fsspec
 
+from .keys import check_path
+
 log = logging.getLogger(__name__)
 
 MIN_PART_SIZE = 5 << 20  # S3 refuses smaller multipart parts (except the last)
@@ -70,6 +72,10 @@ class Backend(Protocol):
 
     def delete(self, path: str) -> None:
         """Remove the object at `path` and everything under `path/`; missing is fine."""
+
+    def abort_stale_uploads(self, path: str, before: float) -> list[str]:
+        """Abort multipart uploads under `path` started before `before` (seconds since the
+        epoch) that never completed; their keys. Backends without such uploads return []."""
 
 
 # --------------------------------------------------------------------------- environment
@@ -227,6 +233,33 @@ def is_not_found(exc: BaseException) -> bool:
     return isinstance(exc, FileNotFoundError) or code in ("NoSuchKey", "NotFound", "404") or status == 404
 
 
+# --------------------------------------------------------------------------- local durability
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a local file's bytes to disk (before it is renamed into place)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a local folder's entries to disk (after a rename into it), so a crash of the
+    machine cannot lose a rename that a reader, or a manifest, already relied on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - a filesystem that cannot open folders
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on a folder
+        pass
+    finally:
+        os.close(fd)
+
+
 # --------------------------------------------------------------------------- multipart helper
 
 
@@ -290,6 +323,7 @@ class FsspecBackend:
         self.fs = fs
         self.protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self.is_s3 = self.protocol in ("s3", "s3a")
+        self.is_local = self.protocol in ("file", "local")
         self.part_size = part_size
         self.concurrency = concurrency
 
@@ -309,6 +343,7 @@ class FsspecBackend:
     # writes
 
     def put_bytes(self, path: str, data: bytes) -> None:
+        check_path(path)
         if self.is_s3:
             self.fs.pipe_file(path, data)
             return
@@ -316,12 +351,14 @@ class FsspecBackend:
         try:
             with self.fs.open(tmp, "wb") as f:
                 f.write(data)
-            self.fs.mv(tmp, path)
+                self._sync(f)
+            self._move_into_place(tmp, path)
         except BaseException:
             self._discard(tmp)
             raise
 
     def put_stream(self, path: str, stream: BinaryIO, size: int) -> None:
+        check_path(path)
         if self.is_s3:
             self._s3_put_stream(path, stream, size)
             return
@@ -335,10 +372,23 @@ class FsspecBackend:
                         raise OSError(f"stream ended after {size - left} of {size} bytes")
                     f.write(data)
                     left -= len(data)
-            self.fs.mv(tmp, path)
+                self._sync(f)
+            self._move_into_place(tmp, path)
         except BaseException:
             self._discard(tmp)
             raise
+
+    def _sync(self, f) -> None:
+        # Local folders: the bytes reach the disk before the rename publishes them, so a
+        # machine crash leaves the old object or the new one, never an empty new name.
+        if self.is_local:
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _move_into_place(self, tmp: str, path: str) -> None:
+        self.fs.mv(tmp, path)
+        if self.is_local:
+            fsync_dir(os.path.dirname(path))
 
     def _tmp_for(self, path: str) -> str:
         self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
@@ -385,10 +435,12 @@ class FsspecBackend:
     # reads
 
     def get_bytes(self, path: str) -> bytes:
+        check_path(path)
         with self.fs.open(path, "rb") as f:
             return f.read()
 
     def iter_range(self, path: str, start: int, end: int, chunk_size: int) -> Iterator[bytes]:
+        check_path(path)
         if start >= end:
             return
         if self.is_s3:
@@ -438,26 +490,38 @@ class FsspecBackend:
                 pass
 
     def size(self, path: str) -> int:
-        info = self.fs.info(path)
+        info = self.fs.info(check_path(path))
         if info.get("type") == "directory":
             raise FileNotFoundError(path)
         return int(info["size"])
 
     def modified(self, path: str) -> float:
-        return self.fs.modified(path).timestamp()
+        return self.fs.modified(check_path(path)).timestamp()
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(path)
+        return self.fs.exists(check_path(path))
 
     def find(self, path: str) -> list[str]:
-        base = path.rstrip("/")
+        base = check_path(path).rstrip("/")
         if not self.fs.exists(base):
             return []
         return list(self.fs.find(base))
 
     def delete(self, path: str) -> None:
-        if self.fs.exists(path):
+        if self.fs.exists(check_path(path)):
             self.fs.rm(path, recursive=True)
+
+    def abort_stale_uploads(self, path: str, before: float) -> list[str]:
+        if not self.is_s3:
+            return []  # local writes leave `.tmp-` files instead; ObjectStore removes those
+        bucket, key, _ = self.fs.split_path(check_path(path))
+        out = []
+        for upload in self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key).get("Uploads", []):
+            inside = not key or upload["Key"] == key or upload["Key"].startswith(f"{key}/")
+            if inside and upload["Initiated"].timestamp() < before:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                out.append(f"{bucket}/{upload['Key']}")
+        return out
 
 
 def _s3_filesystem(url: str) -> fsspec.AbstractFileSystem:

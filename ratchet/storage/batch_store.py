@@ -9,11 +9,13 @@ as JSON; nothing here is a pickle.
 from __future__ import annotations
 
 import json
+import numbers
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from .keys import check_file_name
 from .object_store import ObjectStore
 
 
@@ -42,16 +44,22 @@ class BatchStore:
 
     def __init__(self, store: ObjectStore, kind: str = "batches"):
         self.store = store
-        self.kind = kind
+        self.kind = check_file_name(kind, "batch kind")
 
     def step_key(self, step: int) -> str:
-        return f"{self.kind}/step-{step:06d}"
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"batch step must be an integer >= 0, got {step!r}")
+        return f"{self.kind}/step-{int(step):06d}"
+
+    def _key(self, step: int, name: str) -> str:
+        # one segment each: a name never reaches another step's folder or above the run
+        return f"{self.step_key(step)}/{check_file_name(name, 'batch part name')}.safetensors"
 
     def write(self, step: int, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> str:
-        return self.store.put_bytes(f"{self.step_key(step)}/{name}.safetensors", pack_tensors(tensors, meta))
+        return self.store.put_bytes(self._key(step, name), pack_tensors(tensors, meta))
 
     def read(self, step: int, name: str) -> tuple[dict[str, torch.Tensor], dict]:
-        return unpack_tensors(self.store.get_bytes(f"{self.step_key(step)}/{name}.safetensors"))
+        return unpack_tensors(self.store.get_bytes(self._key(step, name)))
 
     def has(self, step: int, name: str) -> bool:
-        return self.store.exists(f"{self.step_key(step)}/{name}.safetensors")
+        return self.store.exists(self._key(step, name))

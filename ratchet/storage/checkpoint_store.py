@@ -15,13 +15,15 @@ import hashlib
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from .object_store import ObjectStore
+from ratchet.ids import check_id, is_valid_id
+
+from .keys import UnsafeKey, check_key
+from .object_store import LEFTOVER_AGE_S, ObjectStore
 
 T = TypeVar("T")
 
@@ -30,7 +32,6 @@ log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
 RETIRED = "RETIRED.json"  # a retired checkpoint's manifest (`retire`)
 FORMAT = "ratchet-checkpoint/1"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+-]{0,199}$")
 
 
 class CorruptCheckpoint(ValueError):
@@ -86,11 +87,27 @@ class CheckpointStore:
 
     @staticmethod
     def _check_name(name: str) -> None:
-        if not isinstance(name, str) or not _NAME.match(name) or ".tmp-" in name:
-            raise ValueError(
-                f"checkpoint name {name!r}: use letters, digits and _ . = + - (one path segment, "
-                "not starting with a dot, e.g. 'step-000120')"
-            )
+        check_id(name, "checkpoint name")
+        if ".tmp-" in name:
+            raise ValueError(f"checkpoint name {name!r}: '.tmp-' marks temporary objects; use a name such as 'step-000120'")
+
+    @staticmethod
+    def _check_files(name: str, files: object) -> None:
+        """A manifest's file list: relative paths that stay inside the checkpoint folder
+        (they become object keys and, in `download`, local paths)."""
+        if not isinstance(files, dict):
+            raise CorruptCheckpoint(name, [f"{MANIFEST}: 'files' is not a mapping"])
+        problems = []
+        for rel, want in files.items():
+            try:
+                check_key(rel, allow_empty=False, what="manifest file name")
+            except UnsafeKey as exc:
+                problems.append(f"manifest path {rel!r} points outside the checkpoint folder ({exc})")
+                continue
+            if not isinstance(want, dict) or not isinstance(want.get("size"), int) or not isinstance(want.get("sha256"), str):
+                problems.append(f"{rel}: manifest entry lacks an integer 'size' and a 'sha256'")
+        if problems:
+            raise CorruptCheckpoint(name, problems)
 
     # ------------------------------------------------------------------ write
 
@@ -164,6 +181,10 @@ class CheckpointStore:
         for key in self.store.list(self.prefix):
             name, _, _ = key[len(self.prefix) + 1 :].partition("/")
             by_name.setdefault(name, []).append(key)
+        for name in [n for n in by_name if not is_valid_id(n)]:
+            # Not written by CheckpointStore (its names pass check_id): never read or deleted.
+            log.warning("ignoring %s: %r is not a valid checkpoint name", self.store.uri(self.prefix), name)
+            del by_name[name]
         committed = [n for n, keys in by_name.items() if self._key(n, MANIFEST) in keys]
         # Retired checkpoints are neither: kept as they are, never cleaned up as leftovers.
         retired = {n for n, keys in by_name.items() if self._key(n, RETIRED) in keys}
@@ -187,9 +208,11 @@ class CheckpointStore:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("name") != name:
             raise CorruptCheckpoint(name, [f"{MANIFEST} is not a {FORMAT} manifest for {name!r}"])
         try:
-            return self._info(manifest), raw
+            info = self._info(manifest)
         except (KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpoint(name, [f"{MANIFEST} lacks a field ({exc!r})"]) from None
+        self._check_files(name, info.files)
+        return info, raw
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first (by `step`, else by name). An unreadable
@@ -264,6 +287,8 @@ class CheckpointStore:
 
     def read_files(self, name: str, rels: list[str]) -> dict[str, bytes]:
         """Small files of checkpoint `name`, checked against its manifest."""
+        for rel in rels:
+            check_key(rel, allow_empty=False, what="checkpoint file name")
         info = self.get(name)
         out, problems = {}, []
         for rel in rels:
@@ -283,18 +308,22 @@ class CheckpointStore:
             raise CorruptCheckpoint(name, problems)
         return out
 
-    def download(self, name: str, local_dir: str | os.PathLike, verify: bool = True) -> CheckpointInfo:
+    def download(
+        self, name: str, local_dir: str | os.PathLike, verify: bool = True, progress: Callable[[str], None] | None = None
+    ) -> CheckpointInfo:
         """Fetch `name` into `local_dir` (files at their relative paths, `MANIFEST.json`
         last). Interrupted downloads resume. With `verify`, a file whose sha256 differs
         from the manifest is fetched once more from scratch (it may have resumed on a
-        stale partial file) and then raises CorruptCheckpoint."""
+        stale partial file) and then raises CorruptCheckpoint. `progress`, if given, is
+        called after each file with a short text (e.g. to heartbeat an activity)."""
         info, manifest = self._load(name)
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
         (local_dir / MANIFEST).unlink(missing_ok=True)  # the local copy is incomplete until the end
         problems = []
         root = local_dir.resolve()
-        for rel, want in info.files.items():
+        done_bytes = 0
+        for number, (rel, want) in enumerate(info.files.items(), 1):
             target = local_dir / rel
             if not target.resolve().is_relative_to(root):
                 raise CorruptCheckpoint(name, [f"manifest path {rel!r} points outside the checkpoint folder"])
@@ -310,6 +339,9 @@ class CheckpointStore:
             if t.size != want["size"] or (verify and t.sha256 != want["sha256"]):
                 target.unlink()
                 problems.append(f"{rel}: stored bytes (size {t.size}, sha256 {t.sha256[:12]}...) differ from the manifest")
+            done_bytes += t.size
+            if progress is not None:
+                progress(f"{name}: {number}/{len(info.files)} files, {done_bytes}/{info.total_bytes} bytes ({rel})")
         if problems:
             raise CorruptCheckpoint(name, problems)
         (local_dir / MANIFEST).write_bytes(manifest)
@@ -333,11 +365,17 @@ class CheckpointStore:
         self.store.delete(self._key(name, MANIFEST))
         log.info("retired checkpoint %s", info.uri)
 
-    def apply_retention(self, keep_last: int, keep_every: int) -> list[str]:
+    def apply_retention(self, keep_last: int, keep_every: int, leftover_age_s: float = LEFTOVER_AGE_S) -> list[str]:
         """Keep the newest `keep_last` committed checkpoints and every one whose step is a
-        multiple of `keep_every` (0: none); delete the rest. Also delete leftovers of
-        uncommitted uploads all of whose objects are older than the newest committed
-        manifest (a newer one may be an upload in progress). Returns the deleted names."""
+        multiple of `keep_every` (0: none); delete the rest, but only those older than the
+        newest checkpoint whose bytes verify against its manifest: that one, and everything
+        newer, is always kept, and with no verified checkpoint nothing is deleted (a
+        corrupted newest checkpoint must not take the last good one with it).
+
+        Also deletes leftovers of uncommitted uploads all of whose objects are older than
+        the newest committed manifest (a newer one may be an upload in progress), and
+        `.tmp-` objects and unfinished multipart uploads of interrupted writes older than
+        `leftover_age_s`. Returns the deleted names (and leftover keys)."""
         if keep_last < 1:
             raise ValueError(f"apply_retention: keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept")
         if keep_every < 0:
@@ -346,22 +384,47 @@ class CheckpointStore:
         keep = {c.name for c in committed[-keep_last:]}
         if keep_every:
             keep |= {c.name for c in committed if c.step is not None and c.step % keep_every == 0}
+        doomed = self._older_than_newest_good([c for c in committed if c.name not in keep], committed)
         deleted = []
-        for info in committed:
-            if info.name not in keep:
-                self.delete(info.name)
-                deleted.append(info.name)
+        for info in doomed:
+            self.delete(info.name)
+            deleted.append(info.name)
         if committed:
-            newest = self.store.modified(self._key(committed[-1].name, MANIFEST))
-            for name, keys in sorted(self._names()[1].items()):
-                try:
-                    if all(self.store.modified(k) < newest for k in keys):
-                        self.store.delete(self._key(name))
-                        deleted.append(name)
-                except FileNotFoundError:  # removed meanwhile
-                    continue
+            deleted += self._delete_uncommitted(self.store.modified(self._key(committed[-1].name, MANIFEST)))
+        deleted += self.store.clean_leftovers(self.prefix, older_than_s=leftover_age_s)
         if deleted:
             log.info("retention under %s deleted %s", self.store.uri(self.prefix), ", ".join(deleted))
+        return deleted
+
+    def _older_than_newest_good(self, candidates: list[CheckpointInfo], committed: list[CheckpointInfo]) -> list[CheckpointInfo]:
+        """The `candidates` older than the newest checkpoint that verifies (checked newest
+        first, reading every byte, and only when there is something to delete)."""
+        if not candidates:
+            return []
+        order = {c.name: i for i, c in enumerate(committed)}
+        for info in reversed(committed):
+            try:
+                problems = self.problems(info.name)
+            except FileNotFoundError:  # deleted meanwhile (another retention): not a good one
+                continue
+            if not problems:
+                return [c for c in candidates if order[c.name] < order[info.name]]
+            log.warning(
+                "retention: checkpoint %s is corrupted (%s); keeping it and every checkpoint from it back to a good one",
+                info.uri, "; ".join(problems[:3]),
+            )  # fmt: skip
+        log.error("retention under %s: no checkpoint verifies; deleting none", self.store.uri(self.prefix))
+        return []
+
+    def _delete_uncommitted(self, newest_manifest: datetime) -> list[str]:
+        deleted = []
+        for name, keys in sorted(self._names()[1].items()):
+            try:
+                if all(self.store.modified(k) < newest_manifest for k in keys):
+                    self.store.delete(self._key(name))
+                    deleted.append(name)
+            except FileNotFoundError:  # removed meanwhile
+                continue
         return deleted
 
 

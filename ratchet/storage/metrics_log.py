@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from .keys import check_key
 from .object_store import ObjectStore
 
 KEY = "metrics.jsonl"
@@ -16,7 +17,7 @@ KEY = "metrics.jsonl"
 
 class MetricsLog:
     def __init__(self, store: ObjectStore, key: str = KEY):
-        self.store, self.key = store, key
+        self.store, self.key = store, check_key(key, allow_empty=False, what="metrics log key")
 
     def read(self) -> list[dict]:
         if not self.store.exists(self.key):

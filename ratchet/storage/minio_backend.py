@@ -20,6 +20,7 @@ from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
 from .backends import S3Settings, is_not_found, part_size_for
+from .keys import check_path
 
 
 class MinioBackend:
@@ -53,7 +54,9 @@ class MinioBackend:
 
     @staticmethod
     def split(path: str) -> tuple[str, str]:
-        bucket, _, key = path.partition("/")
+        """(bucket, key) of a full path; every method goes through here, so every key is
+        checked (no `..`, backslash or NUL) before it reaches the server."""
+        bucket, _, key = check_path(path).partition("/")
         return bucket, key
 
     # writes
@@ -116,6 +119,23 @@ class MinioBackend:
                 return []
             raise
         return [f"{bucket}/{n}" for n in names if n == key or n.startswith(under)]
+
+    def abort_stale_uploads(self, path: str, before: float) -> list[str]:
+        # The minio client lists and aborts uploads through methods it keeps private;
+        # without them, uploads a killed writer left are for a bucket lifecycle rule to reap.
+        bucket, key = self.split(path.rstrip("/"))
+        lister = getattr(self._client, "_list_multipart_uploads", None)
+        abort = getattr(self._client, "_abort_multipart_upload", None)
+        if lister is None or abort is None:
+            return []
+        out = []
+        for upload in lister(bucket, prefix=key).uploads:
+            when = upload.initiated_time
+            inside = not key or upload.object_name == key or upload.object_name.startswith(f"{key}/")
+            if inside and when is not None and when.timestamp() < before:
+                abort(bucket, upload.object_name, upload.upload_id)
+                out.append(f"{bucket}/{upload.object_name}")
+        return out
 
     def delete(self, path: str) -> None:
         bucket, _ = self.split(path)

@@ -34,11 +34,20 @@ from typing import Any, BinaryIO, TypeVar
 
 import tenacity
 
-from .backends import Backend, FsspecBackend, StorageConfigError, contains_secret, is_transient, missing_credentials, redact
+from ratchet.ids import check_id
+
+from .backends import (
+    Backend, FsspecBackend, StorageConfigError, contains_secret, fsync_dir, fsync_file, is_transient, missing_credentials, redact,
+)  # fmt: skip
+from .keys import check_key
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Leftovers of interrupted writes older than this are removed (`clean_leftovers`): far
+# longer than any single object write takes, so a write in flight is never touched.
+LEFTOVER_AGE_S = 3600.0
 
 
 class ObjectStoreError(OSError):
@@ -159,10 +168,20 @@ class ObjectStore:
         return self.root if self.protocol == "file" else f"{self.protocol}://{self.root}"
 
     def child(self, key: str) -> "ObjectStore":
+        """The store rooted at `key` under this one. A single segment is a run id (or a
+        sweep id) and must satisfy `ratchet.ids.check_id`; a longer key passes `check_key`
+        segment by segment, so a child never reaches above its parent."""
+        if isinstance(key, str) and "/" not in key:
+            check_id(key, "run id")
+        check_key(key, allow_empty=False)
         return ObjectStore(self.uri(key), **self._options)
 
     def path(self, key: str) -> str:
-        return f"{self.root}/{key.lstrip('/')}"
+        """The backend path of `key`; every key-taking method goes through here, so an
+        unsafe key (`..`, absolute, backslash, NUL, empty segment) raises UnsafeKey before
+        any byte is read or written."""
+        check_key(key)
+        return f"{self.root}/{key}" if key else self.root
 
     def uri(self, key: str) -> str:
         path = self.path(key)
@@ -211,6 +230,33 @@ class ObjectStore:
 
     def delete(self, key: str) -> None:
         self._call("delete", key, self._backend.delete, self.path(key))
+
+    def clean_leftovers(self, prefix: str = "", older_than_s: float = LEFTOVER_AGE_S, now: float | None = None) -> list[str]:
+        """Remove what interrupted writes left under `prefix`: the `.tmp-` objects of an
+        atomic write to a local folder whose writer died, and (S3) multipart uploads never
+        completed. Only those older than `older_than_s` go: a write in flight is younger
+        (a temporary file's mtime moves with every write it receives). `now` is the
+        current time in seconds since the epoch (default: this machine's clock). Returns
+        the keys removed, relative to the root."""
+        if older_than_s < 0:
+            raise ValueError(f"clean_leftovers: older_than_s must be >= 0 (got {older_than_s})")
+        before = (time.time() if now is None else now) - older_than_s
+        removed = []
+        for path in self._call("list", prefix, self._backend.find, self.path(prefix)):
+            key = path[len(self.root) + 1 :]
+            if ".tmp-" not in key.rpartition("/")[2]:
+                continue
+            try:
+                if self._call("stat", key, self._backend.modified, path) < before:
+                    self.delete(key)
+                    removed.append(key)
+            except FileNotFoundError:  # its writer finished (renamed it) or removed it meanwhile
+                continue
+        aborted = self._call("abort", prefix, self._backend.abort_stale_uploads, self.path(prefix), before)
+        removed += [p[len(self.root) + 1 :] for p in aborted]
+        if removed:
+            log.info("%s: removed %d leftovers of interrupted writes: %s", self.uri(prefix), len(removed), ", ".join(removed[:10]))
+        return removed
 
     # ------------------------------------------------------------------ large objects
 
@@ -278,7 +324,9 @@ class ObjectStore:
         got = part.stat().st_size
         if got != size:
             raise OSError(f"{self.uri(key)}: downloaded {got} bytes, the object has {size}; was it replaced meanwhile?")
+        fsync_file(part)  # on disk before the name says the download is complete
         os.replace(part, local)
+        fsync_dir(local.parent)
         return Transfer(self.uri(key), size, digest.hash.hexdigest() if digest is not None else "", fetched)
 
     def sha256(self, key: str) -> tuple[int, str]:

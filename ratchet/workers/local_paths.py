@@ -1,0 +1,135 @@
+"""Private local folders of this user: the model cache and checkpoint staging.
+
+Where: `$RATCHET_CACHE_DIR` when set, else `$XDG_CACHE_HOME/ratchet` (by default
+`~/.cache/ratchet`). Why not the system temp folder: a fixed name there
+(`/tmp/ratchet-models/<sha>`) is predictable and shared by every user of the machine, so
+another user can create it first, plant files in it, or read what is staged there. A
+folder under the home is the user's alone, so nobody else can create it first. Why not a
+`tempfile.mkdtemp` per process: the folder must be shared by this user's processes: the
+trainer, rollout and reward actors of one node load the same model (one download, not
+three), and the trainer ranks of one node write one checkpoint folder together without
+talking to each other about its name. When the home folder cannot be written (a
+read-only container), a `mkdtemp` folder is the fallback: private too, only not shared.
+
+Whatever the place, the base folder is checked on first use: it must be a real folder
+(not a link), owned by this user and writable by nobody else; a folder that other users
+can read is narrowed to 0700, one that others can write (or own) is refused, with the fix
+in the error. Everything below it is created with mode 0700.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ratchet.ids import check_id
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "RATCHET_CACHE_DIR"
+
+
+class UnsafeLocalDir(PermissionError):
+    """A local folder ratchet would write private data into is owned, or writable, by
+    someone else."""
+
+
+_lock = threading.Lock()
+_fallback: Path | None = None
+
+
+def ensure_private_dir(path: str | os.PathLike) -> Path:
+    """`path` as a folder owned by this user with mode 0700 (created if missing).
+    UnsafeLocalDir when it is a link, not a folder, owned by another user, or writable by
+    the group or others (someone else may already have put files in it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    fix = f"remove it, or set {ENV_VAR} to a folder of your own"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeLocalDir(f"{path} is a link or not a folder; ratchet keeps private files there only in a real folder: {fix}")
+    if st.st_uid != os.getuid():
+        raise UnsafeLocalDir(f"{path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}): {fix}")
+    if st.st_mode & 0o022:
+        raise UnsafeLocalDir(
+            f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), so its contents cannot be trusted: "
+            f"{fix} (or empty it and `chmod 700 {path}`)"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)  # readable by others: only narrowed, nobody else could write in it
+    return path
+
+
+def private_base() -> Path:
+    """This user's private ratchet folder (see the module docstring)."""
+    configured = os.environ.get(ENV_VAR)
+    if configured:
+        return ensure_private_dir(Path(configured).expanduser())
+    try:
+        cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return ensure_private_dir(Path(cache_home).expanduser() / "ratchet")
+    except UnsafeLocalDir:
+        raise
+    except (OSError, RuntimeError) as exc:  # a read-only or unknown home: private, only not shared
+        return _fallback_base(exc)
+
+
+def _fallback_base(exc: Exception) -> Path:
+    global _fallback
+    with _lock:
+        if _fallback is None or not _fallback.is_dir():
+            _fallback = Path(tempfile.mkdtemp(prefix="ratchet-"))
+            log.warning(
+                "cannot use ~/.cache/ratchet (%s); using %s for this process (set %s to share a cache)",
+                exc, _fallback, ENV_VAR,
+            )  # fmt: skip
+        return _fallback
+
+
+def private_subdir(*parts: str) -> Path:
+    """`<base>/<parts...>`, each level created with mode 0700."""
+    path = private_base()
+    for part in parts:
+        path = path / part
+        path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def models_dir() -> Path:
+    """The model cache: one folder per model URI (hf_io.local_hf_path)."""
+    return private_subdir("models")
+
+
+def staging_dir(run_id: str, name: str) -> Path:
+    """Where the ranks of one node write a checkpoint before it is uploaded. The name is
+    fixed (ranks of one node find it without talking to each other) and private (under
+    the 0700 base); the run id and checkpoint name are checked, so neither can escape."""
+    check_id(run_id, "run id")
+    check_id(name, "checkpoint name")
+    _prune_empty(private_subdir("staging"), keep=run_id)
+    return private_subdir("staging", run_id) / name
+
+
+def _prune_empty(folder: Path, keep: str, older_than_s: float = 3600.0) -> None:
+    """Remove the empty run folders an hour old that finished runs left (each checkpoint's
+    folder is removed after its upload; the run's stays). `rmdir` never removes a folder
+    with anything in it."""
+    cutoff = time.time() - older_than_s
+    for child in folder.iterdir():
+        try:
+            if child.name != keep and child.is_dir() and child.stat().st_mtime < cutoff:
+                child.rmdir()
+        except OSError:  # not empty, or removed meanwhile
+            continue
+
+
+__all__ = ["ENV_VAR", "UnsafeLocalDir", "ensure_private_dir", "models_dir", "private_base", "private_subdir", "staging_dir"]
