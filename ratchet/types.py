@@ -73,10 +73,47 @@ class RunState:
     # a checkpoint's copy) one still being generated.
     retry_prompts: list[int] = field(default_factory=list)
     dropped_samples: int = 0
-    rewards: list[float] = field(default_factory=list)
-    eval_rewards: dict[str, float] = field(default_factory=dict)
+    # Constant-size: the state travels in every continue-as-new and checkpoint, so it keeps
+    # what the summary and the progress query show; the full history is in metrics.jsonl.
+    reward_first10: list[float] = field(default_factory=list)  # mean reward of the first 10 steps
+    reward_last10: list[float] = field(default_factory=list)  # ... of the latest 10, oldest first
+    reward_count: int = 0  # steps recorded
+    eval_rewards: dict[str, float] = field(default_factory=dict)  # step -> reward; the first and the latest EVALS_KEPT - 1
     warmup_loss_first: float = 0.0
     warmup_loss_last: float = 0.0
+
+    def record_reward(self, reward_mean: float) -> None:
+        if len(self.reward_first10) < 10:
+            self.reward_first10.append(reward_mean)
+        self.reward_last10 = [*self.reward_last10, reward_mean][-10:]
+        self.reward_count += 1
+
+    @property
+    def latest_reward(self) -> float | None:
+        return self.reward_last10[-1] if self.reward_last10 else None
+
+    def record_eval(self, step: int, reward_mean: float) -> None:
+        self.eval_rewards[str(step)] = reward_mean
+        if len(self.eval_rewards) > EVALS_KEPT:
+            steps = sorted(self.eval_rewards, key=int)
+            for old in steps[1 : len(steps) - EVALS_KEPT + 1]:  # the first (the baseline) stays
+                del self.eval_rewards[old]
+
+
+EVALS_KEPT = 32
+
+
+def upgrade_run_state(data: dict[str, Any]) -> dict[str, Any]:
+    """A `run_state.json` written before the state was constant-size (a `rewards` list with
+    one mean per step) in today's layout; a current one unchanged."""
+    if "rewards" not in data:
+        return data
+    data = dict(data)
+    rewards = [float(r) for r in data.pop("rewards") or []]
+    data.setdefault("reward_first10", rewards[:10])
+    data.setdefault("reward_last10", rewards[-10:])
+    data.setdefault("reward_count", len(rewards))
+    return data
 
 
 @dataclass

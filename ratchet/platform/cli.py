@@ -143,13 +143,18 @@ def train(
 ) -> None:
     """Validate CONFIG, submit the run, and follow it with a progress bar."""
     from ratchet.config import load_config
+    from ratchet.ids import InvalidId
 
     from .client import Client
     from .watch import summary_table, watch
 
     cfg = _exit_on_config_error(load_config, config, overrides or [])
     client = Client.connect()
-    handle = client.submit(cfg)
+    try:
+        handle = client.submit(cfg)
+    except InvalidId as exc:  # the run id made from tracking.name
+        typer.secho(str(exc), err=True, fg="red")
+        raise typer.Exit(2)
     console.print(f"submitted run [bold]{handle.run_id}[/bold]")
     if detach:
         return
@@ -158,9 +163,21 @@ def train(
     _flush_and_exit(0)
 
 
+def _checked_id(value: str, what: str = "run id") -> str:
+    """`value` if it is a safe id, else exit 2 naming it: before any storage or Temporal call."""
+    from ratchet.ids import InvalidId, check_id
+
+    try:
+        return check_id(value, what)
+    except InvalidId as exc:
+        typer.secho(str(exc), err=True, fg="red")
+        raise typer.Exit(2)
+
+
 def _signal(run_id: str, what: str) -> None:
     from .client import Client
 
+    _checked_id(run_id)
     getattr(Client.connect().get(run_id), what)()
     console.print(f"{what}: sent to {run_id}")
     _flush_and_exit(0)
@@ -178,13 +195,18 @@ RootOption = typer.Option(None, "--root", help="The run's storage.root (default 
 @app.command()
 def resume(
     run_id: str,
-    overrides: Optional[List[str]] = typer.Argument(None, help="Config changes for a resume from a checkpoint, e.g. trainer.world_size=2."),
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help="Config changes for a resume from a checkpoint, e.g. trainer.world_size=2 (which keys may change: ratchet/config/resume_keys.py)."
+    ),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint name (default: the latest good one)."),
     root: Optional[str] = RootOption,
 ) -> None:
     """Resume a paused run; or continue a stopped or failed run from a checkpoint."""
-    from .client import Client
+    from .client import Client, RunIsLive
 
+    _checked_id(run_id)
+    if checkpoint is not None:
+        _checked_id(checkpoint, "checkpoint name")
     client = Client.connect()
     handle = client.get(run_id)
     if handle.running():
@@ -194,7 +216,7 @@ def resume(
         _signal(run_id, "resume")
     try:
         handle = _exit_on_config_error(client.resume, run_id, overrides or [], root=root, checkpoint=checkpoint)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, RunIsLive) as exc:
         typer.secho(str(exc), err=True, fg="red")
         raise typer.Exit(2)
     console.print(f"resumed run [bold]{run_id}[/bold] from its checkpoint")
@@ -208,7 +230,7 @@ def checkpoints(run_id: str, root: Optional[str] = RootOption) -> None:
 
     from ratchet.storage import CheckpointStore, ObjectStore
 
-    store = CheckpointStore(ObjectStore(root or ".ratchet/runs").child(run_id))
+    store = CheckpointStore(ObjectStore(root or ".ratchet/runs").child(_checked_id(run_id)))
     table = Table(title=f"checkpoints of {run_id}")
     for col in ("name", "step", "policy version", "world size", "MB", "created", "intact"):
         table.add_column(col)
@@ -234,7 +256,7 @@ def progress(run_id: str) -> None:
 
     from .client import Client
 
-    handle = Client.connect().get(run_id)
+    handle = Client.connect().get(_checked_id(run_id))
     console.print_json(json.dumps({"progress": asdict(handle.progress()), "batches": [asdict(b) for b in handle.batches()]}))
     _flush_and_exit(0)
 

@@ -13,13 +13,15 @@ loop of its own.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ratchet.types import TASK_QUEUE, BatchStatus, LoopPlan, Progress, RunSummary, TrainingInput
+from ratchet.ids import check_id
+from ratchet.types import TASK_QUEUE, BatchStatus, LoopPlan, Progress, RunState, RunSummary, TrainingInput, upgrade_run_state
 
 WORKFLOW = "TrainingWorkflow"
 # The demo recipe, in a source checkout.
@@ -30,6 +32,40 @@ def _json_payload(data: bytes):
     from temporalio.api.common.v1 import Payload
 
     return Payload(metadata={"encoding": b"json/plain"}, data=data)
+
+
+class RunIsLive(RuntimeError):
+    """A resume from a checkpoint asked of a run whose workflow is still open."""
+
+
+def read_run_state(raw: bytes) -> RunState:
+    """A checkpoint's `run_state.json` as the RunState a resume carries on from; one written
+    by an older ratchet (a per-step `rewards` list) is converted."""
+    from temporalio.converter import default as default_converter
+
+    data = json.dumps(upgrade_run_state(json.loads(raw))).encode()
+    return default_converter().payload_converter.from_payloads([_json_payload(data)], [RunState])[0]
+
+
+def _normalised(stored: dict) -> dict:
+    """A stored config with today's defaults filled in, so that a key added to the schema
+    since the run started does not count as changed by the resume."""
+    from ratchet.config import RunConfig
+
+    try:
+        return RunConfig.model_validate(stored).model_dump(mode="json")
+    except ValueError:  # a check added since: load_config reports it with the new config
+        return stored
+
+
+def _retire_unless_rewritten(checkpoints, old) -> None:
+    """Retire checkpoint `old` if its manifest is still the one listed before the resume."""
+    try:
+        if checkpoints.get(old.name) != old:
+            return  # the resumed run wrote it again already: it is the new continuation's
+    except FileNotFoundError:
+        return
+    checkpoints.retire(old.name)
 
 
 def make_run_id(name: str) -> str:
@@ -151,12 +187,14 @@ class Client:
         """Validate `config` (a RunConfig, a dict, or a YAML path) and start the run."""
         from ratchet.config import RunConfig, load_config
 
+        if run_id is not None:
+            check_id(run_id)  # before the config is read, or anything stored or started
         if isinstance(config, (str, Path)):
             cfg = load_config(config, overrides)
         else:
             data = config.model_dump(mode="json") if isinstance(config, RunConfig) else dict(config)
             cfg = load_config(None, overrides, base=data)
-        run_id = run_id or make_run_id(cfg.tracking.name)
+        run_id = run_id or check_id(make_run_id(cfg.tracking.name), "run id made from tracking.name")
         inp = TrainingInput(run_id=run_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg))
         self._run(
             self._temporal.start_workflow(
@@ -173,37 +211,52 @@ class Client:
         self, run_id: str, overrides: Sequence[str] = (), *, root: str | None = None, checkpoint: str | None = None
     ) -> RunHandle:
         """Continue a stopped or failed run from a checkpoint (the latest good one unless
-        named), with its stored config plus `overrides` (say `trainer.world_size=2`). The
-        run keeps its id and folder; the steps after the checkpoint are done again, and
-        checkpoints newer than it are retired (`RETIRED.json`, see CheckpointStore.retire)."""
-        from temporalio.converter import default as default_converter
-
+        named), with its stored config plus `overrides` (say `trainer.world_size=2`; only
+        the keys in `ratchet.config.resume_keys` may change). The run keeps its id and
+        folder; the steps after the checkpoint are done again, and checkpoints newer than
+        it are retired (`RETIRED.json`, see CheckpointStore.retire) once the resumed run
+        has started. A run that is still open (running or paused) is refused: RunIsLive."""
         from ratchet.config import load_config
+        from ratchet.config.resume_keys import check_resume_changes
         from ratchet.storage import CheckpointStore, ObjectStore
-        from ratchet.types import RunState
 
+        check_id(run_id)
+        if checkpoint is not None:
+            check_id(checkpoint, "checkpoint name")
+        if self.get(run_id).running():
+            raise RunIsLive(
+                f"run {run_id!r} is running (or paused): a paused run continues with `ratchet resume {run_id}` and no "
+                f"overrides (RunHandle.resume()); to resume it from a checkpoint, stop it first (`ratchet stop {run_id}`) "
+                "and wait until it has ended"
+            )
         run_store = ObjectStore(root or ".ratchet/runs").child(run_id)
         if not run_store.exists("config.json"):
             raise FileNotFoundError(f"no run {run_id!r} under {root or '.ratchet/runs'} (pass --root, the run's storage.root)")
-        cfg = load_config(None, overrides, base=run_store.get_json("config.json"))
+        stored = run_store.get_json("config.json")
+        cfg = load_config(None, overrides, base=stored)
+        changed = check_resume_changes(_normalised(stored), cfg.model_dump(mode="json"))
         checkpoints = CheckpointStore(run_store)
         info = checkpoints.get(checkpoint) if checkpoint else checkpoints.latest()
         if info is None:
             raise FileNotFoundError(f"run {run_id!r} has no valid checkpoint to resume from (checkpoint.every was 0?)")
         if not checkpoints.verify(info.name):
             raise ValueError(f"checkpoint {info.name!r} of run {run_id!r} is corrupted; pick another (ratchet checkpoints {run_id})")
-        # Newer checkpoints belong to the continuation being abandoned: recovery in the
-        # resumed run must not restore one of them. Retired, not deleted.
-        for newer in [c for c in checkpoints.list() if c.step is not None and info.step is not None and c.step > info.step]:
-            checkpoints.retire(newer.name)
-        raw = run_store.get_bytes(f"{checkpoints.prefix}/{info.name}/run_state.json")
-        state = default_converter().payload_converter.from_payloads([_json_payload(raw)], [RunState])[0]
+        state = read_run_state(run_store.get_bytes(f"{checkpoints.prefix}/{info.name}/run_state.json"))
+        if "algorithm.kl.coef" in changed:
+            state.kl_coef = cfg.algorithm.kl.coef  # the saved (possibly adapted) one would override it
+        newer = [c for c in checkpoints.list() if c.step is not None and info.step is not None and c.step > info.step]
         inp = TrainingInput(run_id=run_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg), resume=state, restore=True)
         self._run(self._temporal.start_workflow(WORKFLOW, inp, id=run_id, task_queue=self.task_queue))
+        # Newer checkpoints belong to the continuation being abandoned: recovery in the
+        # resumed run must not restore one of them. Retired (not deleted), and only now that
+        # the resumed run exists: a refused start leaves the run's checkpoints as they were.
+        # One the resumed run has meanwhile written again under the same name is its own.
+        for old in newer:
+            _retire_unless_rewritten(checkpoints, old)
         return RunHandle(self, run_id)
 
     def get(self, run_id: str) -> RunHandle:
-        return RunHandle(self, run_id)
+        return RunHandle(self, check_id(run_id))
 
     def close(self) -> None:
         self._loop.close()

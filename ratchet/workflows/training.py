@@ -32,6 +32,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError, FailureError
 
 from ratchet.types import (
     BatchRef,
@@ -46,6 +47,8 @@ from ratchet.types import (
     PrepareInput,
     PrepareOutput,
     Progress,
+    ReleaseInput,
+    ReleaseOutput,
     RolloutInput,
     RunState,
     RunSummary,
@@ -98,6 +101,8 @@ PHASES = {
     "checkpoint": Phase(timedelta(minutes=10)),
     "record_step": Phase(timedelta(minutes=1), heartbeat=False),
     "finish_run": Phase(timedelta(minutes=10)),
+    # No heartbeat timeout: it runs after any failure, a bad `heartbeat_timeout_s` included.
+    "release_run": Phase(timedelta(minutes=2), heartbeat=False),
 }
 
 
@@ -154,7 +159,7 @@ class TrainingWorkflow:
             step=s.next_step if s else 0,
             total_steps=self._plan.steps if self._plan else 0,
             policy_version=s.policy_version if s else 0,
-            reward_mean=s.rewards[-1] if s and s.rewards else None,
+            reward_mean=s.latest_reward if s else None,
             tokens_per_second=self._tokens_per_second,
             eval_rewards=dict(s.eval_rewards) if s else {},
             paused=self._paused,
@@ -175,6 +180,33 @@ class TrainingWorkflow:
     @workflow.run
     async def run(self, inp: TrainingInput) -> RunSummary:
         self._run_id, self._plan = inp.run_id, inp.plan
+        try:
+            return await self._run(inp)
+        except workflow.NondeterminismError:
+            # Workflow code that no longer matches the run's history (a deploy during the
+            # run): the task is retried and the run carries on once matching code is back,
+            # so it keeps its actors and is not failed. Temporal shows the task failure.
+            raise
+        except (Exception, asyncio.CancelledError) as exc:
+            # Every way out but completion and continue-as-new (whose actors carry over,
+            # ContinueAsNewError is not an Exception): the actors are detached and would
+            # otherwise hold the run's CPUs forever. A cancelled workflow may still run
+            # activities, so this runs on cancellation too.
+            phase = self._phase
+            await self._release_actors(exc)
+            if isinstance(exc, (asyncio.CancelledError, FailureError)):
+                raise  # an activity's failure (its cause named), or the cancellation
+            # Any other exception is a bug in this code (or an input the submit checks let
+            # through). Left alone it would fail the workflow *task*, which Temporal retries
+            # forever while the run shows RUNNING; an ApplicationError fails the run instead.
+            raise ApplicationError(
+                f"the training workflow failed in phase {phase!r}: {type(exc).__name__}: {exc}. This is a bug in "
+                "ratchet, or a config value the submit checks let through; the run's actors were released",
+                type="WorkflowBug",
+                non_retryable=True,
+            ) from exc
+
+    async def _run(self, inp: TrainingInput) -> RunSummary:
         if inp.resume is None:
             self._state = await self._begin(inp)
         elif inp.restore:
@@ -187,7 +219,9 @@ class TrainingWorkflow:
         await self._records_written()
         if can:
             self._phase = "continuing"
-            workflow.continue_as_new(replace(inp, resume=state))
+            # The workers and the version floor carry over as they are: the next run only
+            # takes the state (restore=False), it does not rebuild from a checkpoint again.
+            workflow.continue_as_new(replace(inp, resume=state, restore=False))
         if plan.evaluate and str(state.next_step) not in state.eval_rewards:
             await self._evaluate(state, state.next_step)
         done: FinishOutput = await self._call("finish_run", FinishInput(state.run, state.policy_version), FinishOutput)
@@ -198,14 +232,21 @@ class TrainingWorkflow:
             steps=state.next_step,
             policy_version=state.policy_version,
             final_policy_uri=done.final_policy_uri,
-            reward_first10=_mean(state.rewards[:10]),
-            reward_last10=_mean(state.rewards[-10:]),
+            reward_first10=_mean(state.reward_first10),
+            reward_last10=_mean(state.reward_last10),
             eval_rewards=state.eval_rewards,
             warmup_loss_first=state.warmup_loss_first,
             warmup_loss_last=state.warmup_loss_last,
             stopped=self._stopping and state.next_step < plan.steps,
             dropped_samples=state.dropped_samples,
         )
+
+    async def _release_actors(self, cause: BaseException) -> None:
+        """Kill the run's actors; a failure here is logged, the run's own error is the one raised."""
+        try:
+            await self._call("release_run", ReleaseInput(self._run_id), ReleaseOutput)
+        except Exception:
+            workflow.logger.warning("run %s: releasing its actors after %r failed", self._run_id, cause, exc_info=True)
 
     async def _begin(self, start: TrainingInput) -> RunState:
         prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config), PrepareOutput)
@@ -495,7 +536,7 @@ class TrainingWorkflow:
         async with self._rollout_lock:
             out: EvalOutput = await self._call("evaluate", EvalInput(state.run, step, state.policy_version), EvalOutput)
             state.rollout_version = state.policy_version
-        state.eval_rewards[str(step)] = out.reward_mean
+        state.record_eval(step, out.reward_mean)
 
     async def _record(
         self,
@@ -514,7 +555,7 @@ class TrainingWorkflow:
         reward_mean = sum(r.score.reward_mean * r.batch.num_samples for r in rounds) / samples
         gen_seconds = sum(r.batch.generate_seconds for r in rounds)
         wall = max((workflow.now() - started).total_seconds(), 1e-9)
-        state.rewards.append(reward_mean)
+        state.record_reward(reward_mean)
         state.next_step = step + 1
         self._tokens_per_second = sum(r.batch.num_response_tokens for r in rounds) / max(gen_seconds, 1e-9)
         batch_version = rounds[0].batch.policy_version
