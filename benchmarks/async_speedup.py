@@ -166,7 +166,10 @@ class Simulation:
         def finish_run(inp: t.FinishInput) -> t.FinishOutput:
             return t.FinishOutput(final_policy_uri="")
 
-        fns = [prepare_run, warmup, start_workers, generate, score, train, sync_weights, evaluate, record_step, finish_run]
+        def release_run(inp: t.ReleaseInput) -> t.ReleaseOutput:
+            return t.ReleaseOutput()
+
+        fns = [prepare_run, warmup, start_workers, generate, score, train, sync_weights, evaluate, record_step, finish_run, release_run]
         return [activity.defn(name=fn.__name__)(fn) for fn in fns]
 
 
