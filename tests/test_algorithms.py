@@ -6,16 +6,21 @@ calling the formula under test a second time.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 
 import pytest
 import torch
 
+import ratchet.algorithms as algorithms
 from ratchet.algorithms import (
     ADV_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    OFF_POLICY,
     POLICY_LOSSES,
+    AdvEstimator,
     AdvInputs,
     AdvParams,
     LossParams,
@@ -369,16 +374,15 @@ def test_low_var_kl_is_non_negative():
 
 
 @pytest.mark.parametrize(
-    ("registry", "key", "known"),
+    ("registry", "known"),
     [
-        (ADV_ESTIMATORS, "algorithm.adv_estimator", ["grpo", "rloo"]),
-        (POLICY_LOSSES, "algorithm.policy_loss", ["ppo_clip"]),
-        (LOSS_AGGREGATIONS, "algorithm.loss_agg_mode", ["seq-mean-token-mean", "token-mean"]),
-        (KL_ESTIMATORS, "algorithm.kl.type", ["k1", "low_var_kl"]),
+        (ADV_ESTIMATORS, ["grpo", "rloo"]),
+        (POLICY_LOSSES, ["ppo_clip"]),
+        (LOSS_AGGREGATIONS, ["seq-mean-token-mean", "token-mean"]),
+        (KL_ESTIMATORS, ["k1", "low_var_kl"]),
     ],
 )
-def test_unknown_name_lists_registered_names(registry, key, known):
-    assert registry.config_key == key
+def test_unknown_name_lists_registered_names(registry, known):
     for name in known:
         assert registry.check(name) == name
     with pytest.raises(ValueError) as err:
@@ -404,7 +408,7 @@ def test_double_registration_is_rejected_and_keeps_the_first():
 
 
 def test_fresh_registry_and_decorator():
-    reg: Registry = Registry("widget", "x.widget")
+    reg: Registry = Registry("widget")
     assert reg.names() == []
 
     @decorator(reg, "b")
@@ -422,3 +426,42 @@ def test_fresh_registry_and_decorator():
         reg.get("c")
     with pytest.raises(ValueError, match="widget 'a' is registered twice"):
         reg.register("a", 1)
+    reg.register("c", "math:sqrt")  # a "module:attribute" entry is imported on first get
+    assert reg.get("c") is math.sqrt and reg.names() == ["a", "b", "c"]
+
+
+# Each kind's implementations, recognised by their parameters: a function with this signature
+# in the module is an implementation, and must be listed in catalog.py (and vice versa).
+IMPLEMENTATIONS = {
+    "advantage estimator": ("ratchet.algorithms.advantages", ["inputs", "params"]),
+    "policy loss": ("ratchet.algorithms.policy_losses", ["logprob", "old_logprob", "advantages", "mask", "params"]),
+    "loss aggregation": ("ratchet.algorithms.aggregation", ["loss", "mask", "norm"]),
+    "KL estimator": ("ratchet.algorithms.kl", ["logprob", "ref_logprob"]),
+    "off-policy correction": ("ratchet.algorithms.off_policy", ["log_w", "keep", "cap"]),
+}
+
+
+@pytest.mark.parametrize("registry", [ADV_ESTIMATORS, POLICY_LOSSES, LOSS_AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY])
+def test_catalog_matches_implementations(registry):
+    """The catalog's "module:function" entries and the functions in the modules are the
+    same set: neither a misspelt entry nor an implementation missing from the catalog."""
+    module_name, params = IMPLEMENTATIONS[registry.kind]
+    module = importlib.import_module(module_name)
+    implemented = {
+        name
+        for name, fn in vars(module).items()
+        if inspect.isfunction(fn) and list(inspect.signature(fn).parameters) == params
+    }
+    targets = {name: entry.impl if isinstance(entry, AdvEstimator) else entry for name, entry in registry.entries.items()}
+    assert all(isinstance(t, str) and t.startswith(module_name + ":") for t in targets.values()), targets
+    assert {t.split(":")[1] for t in targets.values()} == implemented
+    for name, target in targets.items():
+        entry = registry.get(name)
+        assert getattr(entry, "fn", entry) is getattr(module, target.split(":")[1])
+
+
+def test_every_exported_name_resolves():
+    # The package imports its torch-backed names on first use, from a table of module names.
+    for name in algorithms.__all__:
+        assert getattr(algorithms, name) is not None, name
+

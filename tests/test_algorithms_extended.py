@@ -25,7 +25,6 @@ from ratchet.algorithms import (
     AdaptiveKLController,
     AdvInputs,
     AdvParams,
-    FixedKLController,
     LossParams,
     Normaliser,
     apply_kl_in_reward,
@@ -33,10 +32,10 @@ from ratchet.algorithms import (
     dynamic_sampling_keep,
     entropy_from_logits,
     kl_penalty,
-    make_kl_controller,
     masked_whiten,
     off_policy_correction,
     overlong_penalty,
+    remax_baselines,
     value_clipped,
     value_loss,
 )
@@ -198,6 +197,12 @@ def test_remax_by_hand():
     close(out.advantages, [[0.8 - 0.25, 0.9 - 0.25, 1.0 - 0.25], [2.0 - 3.0, 2.0 - 3.0, 0.0], [0.0, 0.0, 0.0]])
     with pytest.raises(ValueError, match="baseline_rewards"):
         ADV_ESTIMATORS.get("remax").fn(AdvInputs(rewards, mask, torch.arange(3)), AdvParams())
+
+
+def test_remax_baselines_follow_each_sample_to_its_prompt():
+    # greedy responses to prompts 5 and 3 scored 0.25 and 1.0; samples of 3, 5, 3, 5
+    baselines = remax_baselines(torch.tensor([3, 5, 3, 5]), torch.tensor([5, 3]), torch.tensor([0.25, 1.0]))
+    assert baselines.tolist() == [1.0, 0.25, 1.0, 0.25] and baselines.dtype == torch.float32
 
 
 @pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"])
@@ -430,12 +435,6 @@ def test_apply_kl_in_reward_by_hand():
     assert empty.item() == 0.0
 
 
-def test_fixed_kl_controller():
-    ctrl = FixedKLController(0.05)
-    assert ctrl.update(100.0, 256) == 0.05 and ctrl.coef == 0.05
-    assert json.loads(json.dumps(ctrl.state())) == 0.05
-
-
 def test_adaptive_kl_controller_by_hand():
     ctrl = AdaptiveKLController(init_coef=0.1, target=6.0, horizon=10000)
     # kl 9: error 9/6 - 1 = 0.5, clipped to 0.2; coef * (1 + 0.2 * 256 / 10000) = 0.1 * 1.00512
@@ -466,12 +465,7 @@ def test_adaptive_kl_controller_state_round_trip_is_exact():
     assert AdaptiveKLController(0.1, 6.0, 10000, coef=carried).coef == carried
 
 
-def test_make_kl_controller_and_validation():
-    assert isinstance(make_kl_controller(0.02), FixedKLController)
-    assert isinstance(make_kl_controller(0.02, target=0.0), FixedKLController)
-    ctrl = make_kl_controller(0.02, target=6.0, horizon=500.0, state=0.07)
-    assert isinstance(ctrl, AdaptiveKLController) and ctrl.coef == 0.07 and ctrl.init_coef == 0.02
-    assert make_kl_controller(0.02, state=0.5).coef == 0.5
+def test_adaptive_kl_controller_validation():
     with pytest.raises(ValueError, match="target"):
         AdaptiveKLController(0.1, 0.0, 100)
     with pytest.raises(ValueError, match="horizon"):
@@ -507,7 +501,6 @@ def check_metrics(corr, mean, maximum, truncated=0.0, masked=0.0):
 
 def test_off_policy_registry():
     assert OFF_POLICY.names() == ["bypass", "decoupled", "none", "rejection", "tis"]
-    assert OFF_POLICY.config_key == "algorithm.off_policy.mode"
     with pytest.raises(ValueError, match="registered: bypass, decoupled, none, rejection, tis"):
         correct("nope")
     with pytest.raises(ValueError, match="level"):

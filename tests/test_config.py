@@ -365,5 +365,29 @@ def test_config_error_survives_pickling() -> None:
 
 
 def test_importing_config_does_not_import_torch() -> None:
-    code = "import sys, ratchet.config; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    """Nor does validating one: the client and CLI check algorithm names and flags against
+    the torch-free catalog (ratchet/algorithms/catalog.py)."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "copy_grpo.yaml"
+    code = textwrap.dedent(
+        f"""\
+        import sys
+        import ratchet.config
+        if "torch" in sys.modules:
+            sys.exit("importing ratchet.config imported torch")
+        from ratchet.config import ConfigError, load_config
+        assert not load_config({str(example)!r}, check_files=False).uses_critic
+        overrides = ["algorithm.adv_estimator=gae", "algorithm.kl.type=k3+", "algorithm.off_policy.mode=tis",
+                     "algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-sum-norm"]
+        assert load_config({str(example)!r}, overrides, check_files=False).uses_critic
+        try:
+            load_config({str(example)!r}, ["rollout.n=1"], check_files=False)
+        except ConfigError as err:
+            assert "rollout.n must be >= 2" in str(err)
+        else:
+            raise AssertionError("rollout.n=1 with grpo was accepted")
+        if "torch" in sys.modules:
+            sys.exit("validating a config imported torch")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr

@@ -1,76 +1,76 @@
 """Pure torch RL algorithms: no I/O, no Ray, no Temporal. Selected by name through registries.
-See docs/algorithms.md for the formulas, config keys and papers."""
+See docs/algorithms.md for the formulas, config keys and papers.
 
-from .advantages import (
+Every name a config can pick is listed in `catalog.py`: that is where an algorithm is added.
+The catalog imports no torch, and neither does importing this package: the functions below
+are imported on first use, so the config schema validates names without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .catalog import (
     ADV_ESTIMATORS,
-    AdvEstimator,
-    AdvInputs,
-    AdvOutput,
-    AdvParams,
-    discounted_returns,
-    group_stats,
-    masked_whiten,
-    register_adv_estimator,
-    sequence_rewards_to_tokens,
-)
-from .aggregation import LOSS_AGGREGATIONS, Normaliser, masked_mean, register_loss_agg
-from .dapo import dynamic_sampling_keep, overlong_penalty
-from .kl import (
     KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_in_reward,
-    kl_penalty,
-    make_kl_controller,
-    register_kl,
-)
-from .off_policy import OFF_POLICY, OffPolicyCorrection, level_log_ratio, off_policy_correction, register_off_policy
-from .policy_losses import (
+    LOSS_AGGREGATIONS,
+    OFF_POLICY,
     POLICY_LOSSES,
-    LossParams,
-    TokenLoss,
-    cispo_bounds,
-    entropy_from_logits,
+    AdvEstimator,
+    register_adv_estimator,
+    register_kl,
+    register_loss_agg,
+    register_off_policy,
     register_policy_loss,
-    value_clipped,
-    value_loss,
 )
 
-__all__ = [
-    "ADV_ESTIMATORS",
-    "AdaptiveKLController",
-    "AdvEstimator",
-    "AdvInputs",
-    "AdvOutput",
-    "AdvParams",
-    "FixedKLController",
-    "KL_ESTIMATORS",
-    "LOSS_AGGREGATIONS",
-    "LossParams",
-    "Normaliser",
-    "OFF_POLICY",
-    "OffPolicyCorrection",
-    "POLICY_LOSSES",
-    "TokenLoss",
-    "apply_kl_in_reward",
-    "cispo_bounds",
-    "discounted_returns",
-    "dynamic_sampling_keep",
-    "entropy_from_logits",
-    "group_stats",
-    "kl_penalty",
-    "level_log_ratio",
-    "make_kl_controller",
-    "masked_mean",
-    "masked_whiten",
-    "off_policy_correction",
-    "overlong_penalty",
-    "register_adv_estimator",
-    "register_kl",
-    "register_loss_agg",
-    "register_off_policy",
-    "register_policy_loss",
-    "sequence_rewards_to_tokens",
-    "value_clipped",
-    "value_loss",
-]
+# The torch-backed names, by the module that defines them (imported on first access).
+_LAZY = {
+    "advantages": (
+        "AdvInputs",
+        "AdvOutput",
+        "AdvParams",
+        "discounted_returns",
+        "group_stats",
+        "masked_whiten",
+        "remax_baselines",
+        "sequence_rewards_to_tokens",
+    ),
+    "aggregation": ("Normaliser", "masked_mean"),
+    "dapo": ("dynamic_sampling_keep", "overlong_penalty"),
+    "kl": ("AdaptiveKLController", "apply_kl_in_reward", "kl_penalty"),
+    "off_policy": ("OffPolicyCorrection", "level_log_ratio", "off_policy_correction"),
+    "policy_losses": ("LossParams", "TokenLoss", "cispo_bounds", "entropy_from_logits", "value_clipped", "value_loss"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+__all__ = sorted(
+    [
+        "ADV_ESTIMATORS",
+        "KL_ESTIMATORS",
+        "LOSS_AGGREGATIONS",
+        "OFF_POLICY",
+        "POLICY_LOSSES",
+        "AdvEstimator",
+        "register_adv_estimator",
+        "register_kl",
+        "register_loss_agg",
+        "register_off_policy",
+        "register_policy_loss",
+        *_HOME,
+    ]
+)
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

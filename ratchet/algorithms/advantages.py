@@ -4,17 +4,15 @@
 
 `token_rewards` holds each sequence's reward on its last response token (plus any
 per-token KL penalty when the KL is in the reward); outcome estimators use its sum.
+Each estimator is registered, with the inputs it needs, by its line in catalog.py.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-
-from .registry import Registry
 
 
 @dataclass(frozen=True)
@@ -45,25 +43,6 @@ class AdvOutput:
     returns: torch.Tensor  # [B, T], the value target where a critic is trained
 
 
-@dataclass(frozen=True)
-class AdvEstimator:
-    fn: Callable[[AdvInputs, AdvParams], AdvOutput]
-    needs_group: bool = False
-    needs_critic: bool = False
-    needs_baseline: bool = False
-
-
-ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("advantage estimator", "algorithm.adv_estimator")
-
-
-def register_adv_estimator(name: str, *, needs_group: bool = False, needs_critic: bool = False, needs_baseline: bool = False):
-    def apply(fn):
-        ADV_ESTIMATORS.register(name, AdvEstimator(fn, needs_group, needs_critic, needs_baseline))
-        return fn
-
-    return apply
-
-
 def group_stats(values: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample group size, group mean and unbiased group std (0 for a group of one)."""
     _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
@@ -79,7 +58,6 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> AdvOutput:
     return AdvOutput(advantages=adv, returns=adv)
 
 
-@register_adv_estimator("grpo", needs_group=True)
 def grpo(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     """GRPO (Shao et al., 2024): A = (r - mean_group) / (std_group + eps).
 
@@ -95,7 +73,6 @@ def grpo(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     return _broadcast(torch.where(count > 1, adv, torch.zeros_like(adv)), inputs.response_mask)
 
 
-@register_adv_estimator("rloo", needs_group=True)
 def rloo(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     """RLOO (Ahmadian et al., 2024): baseline is the mean of the *other* samples of the group,
     A_i = r_i - (sum_group - r_i) / (n - 1) = n / (n - 1) * (r_i - mean_group).
@@ -105,6 +82,13 @@ def rloo(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     n = count.to(scores.dtype)
     adv = torch.where(count > 1, n / (n - 1).clamp(min=1) * (scores - mean), torch.zeros_like(mean))
     return _broadcast(adv, inputs.response_mask)
+
+
+def remax_baselines(prompt_index: torch.Tensor, greedy_prompt_index: torch.Tensor, greedy_scores: torch.Tensor) -> torch.Tensor:
+    """ReMax: [B] baseline of each sample, the score of the greedy response to its prompt
+    (`greedy_*`: one row per greedy response; a prompt seen twice keeps its last score)."""
+    by_prompt = dict(zip(greedy_prompt_index.tolist(), greedy_scores.tolist()))
+    return torch.tensor([by_prompt[i] for i in prompt_index.tolist()])
 
 
 def sequence_rewards_to_tokens(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -177,7 +161,6 @@ def _require(inputs: AdvInputs, field: str, estimator: str) -> torch.Tensor:
 # --------------------------------------------------------------------------- critic / token-level
 
 
-@register_adv_estimator("gae", needs_critic=True)
 def gae(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     """Generalised Advantage Estimation (Schulman et al., 2016, arXiv:1506.02438), as in PPO:
 
@@ -209,7 +192,6 @@ def gae(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     return AdvOutput(advantages=masked_whiten(adv, m) * m, returns=returns)
 
 
-@register_adv_estimator("reinforce_plus_plus")
 def reinforce_plus_plus(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     """REINFORCE++ (Hu et al., 2025, arXiv:2501.03262):
 
@@ -224,7 +206,6 @@ def reinforce_plus_plus(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     return AdvOutput(advantages=masked_whiten(returns, m) * m, returns=returns)
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline", needs_group=True)
 def reinforce_plus_plus_baseline(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     """REINFORCE++-baseline (Hu et al., 2025, arXiv:2501.03262; verl's
     `compute_reinforce_plus_plus_baseline_outcome_advantage`):
@@ -248,7 +229,6 @@ def reinforce_plus_plus_baseline(inputs: AdvInputs, params: AdvParams) -> AdvOut
     return AdvOutput(advantages=adv, returns=adv)
 
 
-@register_adv_estimator("remax", needs_baseline=True)
 def remax(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     """ReMax (Li et al., 2024, arXiv:2310.10505): the baseline is the reward b_i of a greedy
     response to the same prompt (`inputs.baseline_rewards`, [B]):

@@ -4,7 +4,8 @@ Every mode divides by a *global* normaliser (tokens or sequences of the whole ba
 all data-parallel ranks and micro-batches) that the trainer passes in. Summing the
 micro-batch losses and the ranks' gradients then gives exactly the loss and gradient of
 the full batch, whatever the world size or micro-batching (verl's historical bug was
-averaging per micro-batch, which weights short micro-batches more).
+averaging per micro-batch, which weights short micro-batches more). Each mode is
+registered by its line in catalog.py.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from .registry import Registry, decorator
 
 
 @dataclass(frozen=True)
@@ -25,26 +24,16 @@ class Normaliser:
     max_response_length: int = 1
 
 
-LOSS_AGGREGATIONS: Registry = Registry("loss aggregation", "algorithm.loss_agg_mode")
-
-
-def register_loss_agg(name: str):
-    return decorator(LOSS_AGGREGATIONS, name)
-
-
-@register_loss_agg("token-mean")
 def token_mean(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
     """Every token of the batch weighs the same (DAPO)."""
     return (loss * mask).sum() / max(norm.tokens, 1.0)
 
 
-@register_loss_agg("seq-mean-token-sum")
 def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
     """Sum over each sequence's tokens, mean over sequences."""
     return (loss * mask).sum() / max(norm.sequences, 1.0)
 
 
-@register_loss_agg("seq-mean-token-mean")
 def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
     """Mean over each sequence's tokens, then mean over sequences (original GRPO).
     An empty response contributes zero."""
@@ -52,7 +41,6 @@ def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser
     return per_seq.sum() / max(norm.sequences, 1.0)
 
 
-@register_loss_agg("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
     """Token sum divided by a constant (max response length) per sequence (Dr. GRPO)."""
     return (loss * mask).sum() / max(norm.sequences * norm.max_response_length, 1.0)

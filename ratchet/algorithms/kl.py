@@ -11,9 +11,12 @@ d/dlogprob = logprob - ref_logprob, whose expectation under on-policy samples is
 of KL(pi || ref); used directly as loss terms, k1 and k3 give biased gradients (Tang & Munos,
 2025, "On a few pitfalls in KL divergence gradient estimation for RL").
 
-Controllers for the KL coefficient: `FixedKLController` and `AdaptiveKLController` (Ziegler
-et al., 2019, arXiv:1909.08593). They are plain dataclasses holding floats: `coef` is their
-whole mutable state (`state()` / `load_state(coef)`), so a workflow can carry it durably.
+The names a config uses (aliases and "+" variants included) are listed in catalog.py.
+
+`AdaptiveKLController` (Ziegler et al., 2019, arXiv:1909.08593) adapts the coefficient when
+`algorithm.kl.target` is set; without a target the coefficient simply stays `algorithm.kl.coef`.
+It is a plain dataclass holding floats: `coef` is its whole mutable state (`state()` /
+`load_state(coef)`), so a workflow can carry it durably.
 """
 
 from __future__ import annotations
@@ -22,38 +25,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import Registry, decorator
-
-KL_ESTIMATORS: Registry = Registry("KL estimator", "algorithm.kl.type")
+from .catalog import KL_ESTIMATORS
 
 
-def register_kl(name: str):
-    return decorator(KL_ESTIMATORS, name)
-
-
-@register_kl("k1")
 def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     return logprob - ref_logprob
 
 
-@register_kl("abs")
 def kl_abs(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     return (logprob - ref_logprob).abs()
 
 
-@register_kl("mse")
 def kl_mse(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logprob - ref_logprob).square()
 
 
-@register_kl("low_var_kl")
 def kl_low_var(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     log_ratio = (ref_logprob - logprob).clamp(-20.0, 20.0)
     return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
-
-
-KL_ESTIMATORS.register("k2", kl_mse)
-KL_ESTIMATORS.register("k3", kl_low_var)
 
 
 def straight_through(base):
@@ -73,9 +62,10 @@ def straight_through(base):
     return estimator
 
 
-_BASES = {"k1": kl_k1, "abs": kl_abs, "mse": kl_mse, "k2": kl_mse, "low_var_kl": kl_low_var, "k3": kl_low_var}
-for _name, _base in _BASES.items():
-    KL_ESTIMATORS.register(f"{_name}+", straight_through(_base))
+kl_k1_straight_through = straight_through(kl_k1)
+kl_abs_straight_through = straight_through(kl_abs)
+kl_mse_straight_through = straight_through(kl_mse)
+kl_low_var_straight_through = straight_through(kl_low_var)
 
 
 def kl_penalty(kind: str, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
@@ -115,22 +105,6 @@ def apply_kl_in_reward(
 
 
 @dataclass
-class FixedKLController:
-    """A constant KL coefficient. `update` is a no-op that returns `coef`."""
-
-    coef: float
-
-    def update(self, current_kl: float, n_steps: int) -> float:
-        return self.coef
-
-    def state(self) -> float:
-        return float(self.coef)
-
-    def load_state(self, coef: float) -> None:
-        self.coef = float(coef)
-
-
-@dataclass
 class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al., 2019, "Fine-Tuning Language Models from Human
     Preferences", arXiv:1909.08593), as verl's AdaptiveKLController:
@@ -166,17 +140,3 @@ class AdaptiveKLController:
 
     def load_state(self, coef: float) -> None:
         self.coef = float(coef)
-
-
-def make_kl_controller(
-    coef: float, target: float | None = None, horizon: float = 10000.0, state: float | None = None
-) -> FixedKLController | AdaptiveKLController:
-    """`algorithm.kl.{coef,target,horizon}` -> a controller: adaptive when `target` is set
-    (> 0), fixed otherwise. `state` (a coef carried by the workflow) restores it."""
-    if target is not None and target > 0:
-        ctrl: FixedKLController | AdaptiveKLController = AdaptiveKLController(coef, target, horizon)
-    else:
-        ctrl = FixedKLController(float(coef))
-    if state is not None:
-        ctrl.load_state(state)
-    return ctrl

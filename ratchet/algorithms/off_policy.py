@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
+from .catalog import OFF_POLICY
 from .kl import kl_low_var
-from .registry import Registry, decorator
 
 LEVELS = ("token", "sequence", "geometric")
 _LOG_CLAMP = 1e6  # finite stand-in for +-inf log-ratios; exp() is only applied to bounded values
@@ -48,20 +47,13 @@ class OffPolicyCorrection:
 
 
 @dataclass
-class _Decision:
+class Decision:
+    """What a registered correction returns (see catalog.py)."""
+
     weights: torch.Tensor  # [B, T] before masking
     keep: torch.Tensor  # [B, T] bool
     truncated: torch.Tensor | None = None  # [B, T] bool (tis)
     use_rollout_as_old: bool = False
-
-
-CorrectionFn = Callable[[torch.Tensor, torch.Tensor, float], _Decision]
-OFF_POLICY: Registry[CorrectionFn] = Registry("off-policy correction", "algorithm.off_policy.mode")
-
-
-def register_off_policy(name: str):
-    """Register fn(log_w [B, T] at the configured level, keep [B, T] bool, cap) -> _Decision."""
-    return decorator(OFF_POLICY, name)
 
 
 def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -79,14 +71,12 @@ def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> 
     return torch.where(keep, per_seq.unsqueeze(-1).expand_as(lr), 0.0)
 
 
-@register_off_policy("none")
-def _none(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> _Decision:
+def no_correction(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> Decision:
     """No correction: weights 1, every token kept."""
-    return _Decision(weights=torch.ones_like(log_w), keep=keep)
+    return Decision(weights=torch.ones_like(log_w), keep=keep)
 
 
-@register_off_policy("tis")
-def _tis(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> _Decision:
+def tis(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> Decision:
     """Truncated importance sampling (Ionides, 2008; for LLM rollout/trainer mismatch Yao et
     al., 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"):
     w = min(pi_old / mu, cap) at the configured level; tokens are never dropped."""
@@ -94,11 +84,10 @@ def _tis(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> _Decision:
         raise ValueError(f"tis needs cap > 0, got {cap}")
     log_cap = math.log(cap)
     truncated = (log_w > log_cap) & keep
-    return _Decision(weights=log_w.clamp(max=log_cap).exp(), keep=keep, truncated=truncated)
+    return Decision(weights=log_w.clamp(max=log_cap).exp(), keep=keep, truncated=truncated)
 
 
-@register_off_policy("decoupled")
-def _decoupled(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> _Decision:
+def decoupled(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> Decision:
     """Decoupled PPO (Hilton et al., 2022, "Batch size-invariance for policy optimization",
     arXiv:2110.00641; AReaL, Fu et al., 2025, arXiv:2505.24298): the behaviour weight
     w = pi_prox / mu multiplies the PPO loss, whose ratio is taken against the proximal
@@ -108,19 +97,17 @@ def _decoupled(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> _Decision
         raise ValueError(f"decoupled needs cap > 0, got {cap}")
     log_cap = math.log(cap)
     kept = keep & (log_w <= log_cap)
-    return _Decision(weights=log_w.clamp(max=log_cap).exp(), keep=kept)
+    return Decision(weights=log_w.clamp(max=log_cap).exp(), keep=kept)
 
 
-@register_off_policy("bypass")
-def _bypass(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> _Decision:
+def bypass(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> Decision:
     """Use the behaviour policy as the old policy: PPO's ratio becomes pi / mu, whose clip
     then also bounds the rollout/trainer mismatch. Weights 1; the trainer substitutes
     old_logprob := rollout_logprob."""
-    return _Decision(weights=torch.ones_like(log_w), keep=keep, use_rollout_as_old=True)
+    return Decision(weights=torch.ones_like(log_w), keep=keep, use_rollout_as_old=True)
 
 
-@register_off_policy("rejection")
-def _rejection(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> _Decision:
+def rejection(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> Decision:
     """Rejection sampling: drop what has w outside [1/cap, cap]. With level "sequence" (the
     product of token ratios) or "geometric" (their geometric mean, recommended for long
     responses: a tiny per-token mismatch compounds over thousands of tokens in the product)
@@ -129,7 +116,7 @@ def _rejection(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> _Decision
         raise ValueError(f"rejection needs cap >= 1, got {cap}")
     log_cap = math.log(cap)
     kept = keep & (log_w <= log_cap) & (log_w >= -log_cap)
-    return _Decision(weights=torch.ones_like(log_w), keep=kept)
+    return Decision(weights=torch.ones_like(log_w), keep=kept)
 
 
 def off_policy_correction(

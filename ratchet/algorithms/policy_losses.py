@@ -1,14 +1,12 @@
 """Policy-gradient losses. Each returns the per-token loss matrix and per-token clip
-indicators; aggregation to a scalar is a separate, registered choice (aggregation.py)."""
+indicators; aggregation to a scalar is a separate, registered choice (aggregation.py).
+Each loss is registered by its line in catalog.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-
-from .registry import Registry, decorator
 
 
 @dataclass(frozen=True)
@@ -39,15 +37,6 @@ class TokenLoss:
     dual_clipped: torch.Tensor | None = None
 
 
-PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossParams], TokenLoss]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "algorithm.policy_loss")
-
-
-def register_policy_loss(name: str):
-    return decorator(POLICY_LOSSES, name)
-
-
-@register_policy_loss("ppo_clip")
 def ppo_clip(
     logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
 ) -> TokenLoss:
@@ -71,7 +60,6 @@ def _log_ratio(logprob: torch.Tensor, old_logprob: torch.Tensor, mask: torch.Ten
     return torch.where(mask.bool(), diff, torch.zeros_like(diff))
 
 
-@register_policy_loss("dual_clip")
 def dual_clip(
     logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
 ) -> TokenLoss:
@@ -103,7 +91,6 @@ def dual_clip(
     )
 
 
-@register_policy_loss("gspo")
 def gspo(
     logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
 ) -> TokenLoss:
@@ -139,7 +126,6 @@ def cispo_bounds(params: LossParams) -> tuple[float, float]:
     return low, high
 
 
-@register_policy_loss("cispo")
 def cispo(
     logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
 ) -> TokenLoss:

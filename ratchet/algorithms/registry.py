@@ -1,21 +1,42 @@
 """A name -> implementation registry, so configs pick algorithms by name and errors list
-what exists instead of failing deep inside the trainer."""
+what exists instead of failing deep inside the trainer.
+
+The built-in algorithms are all listed in `catalog.py`; that is where a new one is added.
+An entry may be given as a "module:attribute" string, imported on the first `get`: the
+names (and an estimator's flags) are then known without importing torch, which is what
+lets the config schema validate a config in a process that never loads the maths.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
 
+def resolve(target: Any) -> Any:
+    """`target` itself, or the object a "module:attribute" string names (imported once)."""
+    return _load(target) if isinstance(target, str) else target
+
+
+@functools.cache
+def _load(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    if not module or not attr:
+        raise ValueError(f"expected 'module:attribute', got {target!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
 @dataclass
 class Registry(Generic[T]):
     kind: str
-    config_key: str
-    entries: dict[str, T] = field(default_factory=dict)
+    entries: dict[str, T | str] = field(default_factory=dict)
 
-    def register(self, name: str, entry: T) -> T:
+    def register(self, name: str, entry: T | str) -> T | str:
+        """Add `entry` (or a "module:attribute" string naming it) under `name`."""
         if name in self.entries:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         self.entries[name] = entry
@@ -31,7 +52,7 @@ class Registry(Generic[T]):
         return name
 
     def get(self, name: str) -> T:
-        return self.entries[self.check(name)]
+        return resolve(self.entries[self.check(name)])
 
 
 def decorator(registry: Registry[Any], name: str, wrap: Callable[[Callable], Any] = lambda fn: fn):

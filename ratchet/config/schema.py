@@ -14,6 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+# The catalog (names and estimator flags) imports no torch, so validating a config does not either.
+from ratchet.algorithms.catalog import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
+
 # The per-step sampling seed is `(seed * 1_000_003 + step) * 101 + part` (workers/rollout.py;
 # `part` < algorithm.max_sampling_rounds). With these bounds it stays below 4.4e17, far under
 # the 2**63 that torch.manual_seed and int64 tensors accept, and distinct per (step, part).
@@ -88,13 +91,6 @@ class RolloutConfig(Section):
     )
 
 
-def _registered(registry: str, name: str) -> str:
-    """Validate `name` against one of `ratchet.algorithms`' registries (its error lists them)."""
-    import ratchet.algorithms as algorithms
-
-    return getattr(algorithms, registry).check(name)
-
-
 class RewardConfig(Section):
     function: str | None = Field(
         "ratchet.tasks.rewards:compute_score",
@@ -131,7 +127,7 @@ class KLConfig(Section):
     @field_validator("type")
     @classmethod
     def _known_kl(cls, name: str) -> str:
-        return _registered("KL_ESTIMATORS", name)
+        return KL_ESTIMATORS.check(name)
 
 
 class OffPolicyConfig(Section):
@@ -144,7 +140,7 @@ class OffPolicyConfig(Section):
     @field_validator("mode")
     @classmethod
     def _known_mode(cls, name: str) -> str:
-        return _registered("OFF_POLICY", name)
+        return OFF_POLICY.check(name)
 
 
 class OverlongConfig(Section):
@@ -174,17 +170,17 @@ class AlgorithmConfig(Section):
     @field_validator("adv_estimator")
     @classmethod
     def _known_estimator(cls, name: str) -> str:
-        return _registered("ADV_ESTIMATORS", name)
+        return ADV_ESTIMATORS.check(name)
 
     @field_validator("policy_loss")
     @classmethod
     def _known_loss(cls, name: str) -> str:
-        return _registered("POLICY_LOSSES", name)
+        return POLICY_LOSSES.check(name)
 
     @field_validator("loss_agg_mode")
     @classmethod
     def _known_agg(cls, name: str) -> str:
-        return _registered("LOSS_AGGREGATIONS", name)
+        return LOSS_AGGREGATIONS.check(name)
 
 
 class CriticConfig(Section):
@@ -325,14 +321,10 @@ class RunConfig(Section):
 
     @property
     def uses_critic(self) -> bool:
-        from ratchet.algorithms import ADV_ESTIMATORS
-
         return ADV_ESTIMATORS.get(self.algorithm.adv_estimator).needs_critic
 
     @model_validator(mode="after")
     def _groups_need_members(self) -> "RunConfig":
-        from ratchet.algorithms import ADV_ESTIMATORS
-
         if ADV_ESTIMATORS.get(self.algorithm.adv_estimator).needs_group and self.rollout.n < 2:
             raise ValueError(
                 f"rollout.n must be >= 2 for adv_estimator={self.algorithm.adv_estimator!r} "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ratchet.algorithms import remax_baselines
 from ratchet.storage import BatchStore
 
 TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs", "policy_version", "prompt_index")
@@ -111,10 +112,7 @@ def load_step(store: BatchStore, step: int, parts: int = 1) -> ScoredStep:
     batch = RolloutBatch.concat(batches, pad_id=0)
     baseline = None
     if store.has(step, part_name("baseline-scores", 0)):
-        by_prompt: dict[int, float] = {}
-        for p in range(parts):
-            base = RolloutBatch.load(store, step, part_name("baseline", p))
-            scores, _ = load_scores(store, step, part_name("baseline-scores", p))
-            by_prompt.update(zip(base.prompt_index.tolist(), scores.tolist()))
-        baseline = torch.tensor([by_prompt[i] for i in batch.prompt_index.tolist()])
+        greedy = [RolloutBatch.load(store, step, part_name("baseline", p)).prompt_index for p in range(parts)]
+        scores = [load_scores(store, step, part_name("baseline-scores", p))[0] for p in range(parts)]
+        baseline = remax_baselines(batch.prompt_index, torch.cat(greedy), torch.cat(scores))
     return ScoredStep(batch=batch, rewards=rewards, baseline_rewards=baseline)

@@ -11,9 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import torch
-
-from ratchet.algorithms import ADV_ESTIMATORS
+from ratchet.algorithms import ADV_ESTIMATORS, remax_baselines
 from ratchet.config.schema import RunConfig
 from ratchet.tasks.loading import load_reward_fn
 
@@ -64,8 +62,7 @@ class LocalLoop:
         if self.needs_baseline:
             greedy = generate_batch(self.engine, self.prompts, indices, replace(params, n=1, greedy=True), policy_version=0, pad_id=pad)
             base_scores, _ = score_batch(greedy, self.engine.tokenizer, self.reward_fn)
-            by_prompt = dict(zip(greedy.prompt_index.tolist(), base_scores.tolist()))
-            baseline = torch.tensor([by_prompt[i] for i in batch.prompt_index.tolist()])
+            baseline = remax_baselines(batch.prompt_index, greedy.prompt_index, base_scores)
         t.append(time.perf_counter())
         rewards, _ = score_batch(batch, self.engine.tokenizer, self.reward_fn)
         t.append(time.perf_counter())

@@ -1,0 +1,119 @@
+"""Every algorithm a config can name, in one list: where to add one.
+
+To add, say, an advantage estimator: write the function next to the others of its kind
+(`advantages.py`, with the shared signature), add its line below with its flags, and test
+it by hand-worked numbers in tests/test_algorithms*.py. The line is the registration; the
+config schema, the trainer and the error messages all read these registries.
+
+This module imports no torch: an entry names its implementation as "module:function",
+imported on first use (`Registry.get`, `AdvEstimator.fn`). So the config schema validates
+names, and reads an estimator's flags, in a client or CLI process that never loads torch.
+tests/test_algorithms.py::test_catalog_matches_implementations imports every entry, so a
+misspelt or missing function fails there rather than in a run.
+
+Code outside ratchet can add its own with the `register_*` decorators (before the config
+is validated, so the schema accepts the new name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from .registry import Registry, decorator, resolve
+
+if TYPE_CHECKING:
+    from .advantages import AdvInputs, AdvOutput, AdvParams
+
+
+@dataclass(frozen=True)
+class AdvEstimator:
+    """An advantage estimator and what it needs besides rewards, mask and group ids."""
+
+    impl: Callable | str  # the function, or "module:function" (imported on first use of `fn`)
+    needs_group: bool = False  # AdvInputs.group: several samples per prompt (rollout.n >= 2)
+    needs_critic: bool = False  # AdvInputs.values: a critic is trained alongside
+    needs_baseline: bool = False  # AdvInputs.baseline_rewards: a greedy response per prompt is scored
+
+    @property
+    def fn(self) -> Callable[["AdvInputs", "AdvParams"], "AdvOutput"]:
+        return resolve(self.impl)
+
+
+# --------------------------------------------------------------------------- advantage estimators
+# algorithm.adv_estimator; fn(AdvInputs, AdvParams) -> AdvOutput
+
+ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("advantage estimator")
+_ADV = "ratchet.algorithms.advantages:"
+ADV_ESTIMATORS.register("grpo", AdvEstimator(_ADV + "grpo", needs_group=True))
+ADV_ESTIMATORS.register("rloo", AdvEstimator(_ADV + "rloo", needs_group=True))
+ADV_ESTIMATORS.register("gae", AdvEstimator(_ADV + "gae", needs_critic=True))
+ADV_ESTIMATORS.register("reinforce_plus_plus", AdvEstimator(_ADV + "reinforce_plus_plus"))
+ADV_ESTIMATORS.register("reinforce_plus_plus_baseline", AdvEstimator(_ADV + "reinforce_plus_plus_baseline", needs_group=True))
+ADV_ESTIMATORS.register("remax", AdvEstimator(_ADV + "remax", needs_baseline=True))
+
+
+def register_adv_estimator(name: str, *, needs_group: bool = False, needs_critic: bool = False, needs_baseline: bool = False):
+    return decorator(ADV_ESTIMATORS, name, lambda fn: AdvEstimator(fn, needs_group, needs_critic, needs_baseline))
+
+
+# --------------------------------------------------------------------------- policy losses
+# algorithm.policy_loss; fn(logprob, old_logprob, advantages, mask, LossParams) -> TokenLoss
+
+POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
+_LOSS = "ratchet.algorithms.policy_losses:"
+POLICY_LOSSES.register("ppo_clip", _LOSS + "ppo_clip")
+POLICY_LOSSES.register("dual_clip", _LOSS + "dual_clip")
+POLICY_LOSSES.register("gspo", _LOSS + "gspo")
+POLICY_LOSSES.register("cispo", _LOSS + "cispo")
+
+
+def register_policy_loss(name: str):
+    return decorator(POLICY_LOSSES, name)
+
+
+# --------------------------------------------------------------------------- loss aggregation
+# algorithm.loss_agg_mode; fn(loss [B, T], mask [B, T], Normaliser) -> scalar
+
+LOSS_AGGREGATIONS: Registry[Callable] = Registry("loss aggregation")
+_AGG = "ratchet.algorithms.aggregation:"
+LOSS_AGGREGATIONS.register("token-mean", _AGG + "token_mean")
+LOSS_AGGREGATIONS.register("seq-mean-token-sum", _AGG + "seq_mean_token_sum")
+LOSS_AGGREGATIONS.register("seq-mean-token-mean", _AGG + "seq_mean_token_mean")
+LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm", _AGG + "seq_mean_token_sum_norm")
+
+
+def register_loss_agg(name: str):
+    return decorator(LOSS_AGGREGATIONS, name)
+
+
+# --------------------------------------------------------------------------- KL estimators
+# algorithm.kl.type; fn(logprob, ref_logprob) -> per-token KL. "k2" and "k3" are aliases; each
+# name also has a straight-through "<name>+" variant: its value, the gradient of k2 (kl.py).
+
+KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
+_KL_FUNCTIONS = {"k1": "kl_k1", "abs": "kl_abs", "mse": "kl_mse", "k2": "kl_mse", "low_var_kl": "kl_low_var", "k3": "kl_low_var"}
+for _name, _fn in _KL_FUNCTIONS.items():
+    KL_ESTIMATORS.register(_name, f"ratchet.algorithms.kl:{_fn}")
+    KL_ESTIMATORS.register(_name + "+", f"ratchet.algorithms.kl:{_fn}_straight_through")
+
+
+def register_kl(name: str):
+    return decorator(KL_ESTIMATORS, name)
+
+
+# --------------------------------------------------------------------------- off-policy corrections
+# algorithm.off_policy.mode; fn(log_w [B, T], keep [B, T] bool, cap) -> off_policy.Decision
+
+OFF_POLICY: Registry[Callable] = Registry("off-policy correction")
+_OFF = "ratchet.algorithms.off_policy:"
+OFF_POLICY.register("none", _OFF + "no_correction")
+OFF_POLICY.register("tis", _OFF + "tis")
+OFF_POLICY.register("decoupled", _OFF + "decoupled")
+OFF_POLICY.register("bypass", _OFF + "bypass")
+OFF_POLICY.register("rejection", _OFF + "rejection")
+
+
+def register_off_policy(name: str):
+    """Register fn(log_w [B, T] at the configured level, keep [B, T] bool, cap) -> off_policy.Decision."""
+    return decorator(OFF_POLICY, name)
