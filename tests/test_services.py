@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ratchet.platform import services as svc
-from ratchet.platform.services import ServiceError, ServiceSettings
+from ratchet.platform.services import PORT_ENV, ServiceError, ServiceSettings, processes, ray_head
 
 from ratchet.platform.services import free_ports
 
@@ -102,12 +102,49 @@ def test_defaults_and_status_starts_nothing(state_dir):
 
 def test_long_state_dir_uses_short_ray_temp_dir(state_dir):
     long_dir = Path(state_dir) / ("x" * 80)
-    ray_tmp = svc._ray_temp_dir(ServiceSettings(state_dir=long_dir))
+    ray_tmp = ray_head.temp_dir(ServiceSettings(state_dir=long_dir))
     assert len(str(ray_tmp)) <= svc.RAY_TEMP_DIR_MAX_LEN
     assert str(ray_tmp).startswith("/tmp/")
-    assert svc._ray_temp_dir(ServiceSettings(state_dir=long_dir)) == ray_tmp  # stable
-    short = svc._ray_temp_dir(ServiceSettings(state_dir=Path(state_dir)))
+    assert ray_head.temp_dir(ServiceSettings(state_dir=long_dir)) == ray_tmp  # stable
+    short = ray_head.temp_dir(ServiceSettings(state_dir=Path(state_dir)))
     assert short == Path(state_dir) / "ray"
+
+
+def _proc_start_ticks(pid: int) -> int:
+    """Field 22 of /proc/<pid>/stat, read by hand as services.json recorded it before
+    psutil was used."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    return int(raw[raw.rfind(")") + 2 :].split()[19])
+
+
+def test_process_identity_matches_records_written_from_proc():
+    """`start_ticks` (psutil) equals the value older records hold, so a state file
+    written by either version identifies the same processes."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        deadline = time.monotonic() + 10
+        while processes.cmdline(child.pid) != ["sleep", "30"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # between fork and exec
+        ticks = _proc_start_ticks(child.pid)
+        assert processes.start_ticks(child.pid) == ticks
+        assert processes.same_process(child.pid, ticks)
+        assert not processes.same_process(child.pid, ticks + 1)  # a reused pid
+        assert processes.exe_name(child.pid) == "sleep"
+    finally:
+        child.kill()
+        child.wait()
+    assert processes.start_ticks(child.pid) is None
+
+
+def test_a_zombie_is_dead_and_reap_collects_it():
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while _alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert Path(f"/proc/{child.pid}").exists()  # exited, not yet reaped: a zombie
+    assert not processes.alive(child.pid)
+    assert processes.wait_gone([child.pid], 1.0) == []  # reaps it on the way
+    assert not Path(f"/proc/{child.pid}").exists()
 
 
 # --------------------------------------------------------------------------- integration
@@ -186,7 +223,7 @@ def test_up_restarts_only_a_dead_service(running):
     while (_alive(pid) or _accepts("127.0.0.1", settings.temporal_port)) and (
         time.monotonic() < deadline
     ):
-        svc._reap(pid)
+        processes.reap(pid)
         time.sleep(0.05)
     assert not svc.status(settings).temporal.running
     again = svc.up(settings)
@@ -200,7 +237,7 @@ def test_down_stops_only_what_is_recorded(running):
     settings, _ = running
     st = svc.status(settings)
     rec = json.loads((Path(settings.state_dir) / "services.json").read_text())["services"]
-    ray_pids = svc._ray_pids(rec["ray"])
+    ray_pids = ray_head.pids(rec["ray"])
     assert st.ray.pid in ray_pids and len(ray_pids) >= 2  # gcs, raylet, agents, ...
     # Foreign processes: a plain sleep, and one whose command line even names our Ray
     # session dir (but is not a Ray executable), in their own sessions.
@@ -247,7 +284,7 @@ def test_port_taken_by_foreign_socket(state_dir, which):
                 svc.up(settings)
             msg = str(err.value)
             assert str(port) in msg
-            assert svc._PORT_ENV[which] in msg
+            assert PORT_ENV[which] in msg
             # Nothing was started: every port is checked before any service starts.
             st = svc.status(settings)
             assert not st.temporal.managed and not st.ray.managed

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from ratchet.platform import services as svc
-from ratchet.platform.services import ServiceError, ServiceSettings, free_ports
+from ratchet.platform.services import ServiceError, ServiceSettings, free_ports, ray_auth
 
 LOOPBACK = {"127.0.0.1", "::1"}
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -216,24 +216,24 @@ def state(monkeypatch):
 
 def test_token_is_created_private_kept_and_replaced_when_others_could_read_it(state):
     state.state_dir.mkdir(parents=True, exist_ok=True)
-    path = svc._ensure_ray_token(state)
+    path = ray_auth.ensure_token(state)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     first = path.read_text()
-    assert svc._ensure_ray_token(state).read_text() == first  # the same token on every `up`
+    assert ray_auth.ensure_token(state).read_text() == first  # the same token on every `up`
     path.chmod(0o644)
-    assert svc._ensure_ray_token(state).read_text() != first
+    assert ray_auth.ensure_token(state).read_text() != first
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     path.unlink()
     path.symlink_to(state.state_dir / "elsewhere")
     with pytest.raises(ServiceError, match="regular file owned by you"):
-        svc._ensure_ray_token(state)
+        ray_auth.ensure_token(state)
     assert not (state.state_dir / "elsewhere").exists()
 
 
 def test_ray_auth_env_gives_the_path_and_lets_the_user_win(state):
     assert svc.ray_auth_env(state, environ={}) == {}  # nothing started here
     state.state_dir.mkdir(parents=True, exist_ok=True)
-    path = svc._ensure_ray_token(state)
+    path = ray_auth.ensure_token(state)
     mine = svc.ray_auth_env(state, environ={})
     assert mine == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
     assert path.read_text() not in json.dumps(mine)

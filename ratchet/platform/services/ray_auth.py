@@ -1,0 +1,99 @@
+"""Token authentication for ratchet's Ray head: the token file (created private, kept
+across ``up`` calls) and the variables a process needs to join the head."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Any
+
+from .settings import ServiceError, ServiceSettings
+from .state import recorded
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RAY_AUTH_VARS", "ensure_token", "head_auth", "ray_auth_env", "ray_token_path", "user_ray_auth"]
+
+# The variables through which Ray learns its authentication mode and token.
+RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def ray_token_path(settings: ServiceSettings) -> Path:
+    """The file that holds the token of ratchet's Ray head (``<state>/ray_auth_token``)."""
+    return settings.ray_token_file
+
+
+def user_ray_auth(environ: Any) -> dict[str, str]:
+    """The RAY_AUTH_* variables the user set; they win over ratchet's own token."""
+    return {k: environ[k] for k in RAY_AUTH_VARS if environ.get(k)}
+
+
+def ray_auth_env(settings: ServiceSettings, environ: Any = None) -> dict[str, str]:
+    """The variables a process needs to join the Ray head of ``settings`` (the worker,
+    a driver, a test): merge them into its environment before it imports ray.
+
+    A user's own RAY_AUTH_MODE / RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH win. Otherwise the
+    mode the recorded head runs with and the path of ratchet's token file; never the
+    token itself, so that it stays off command lines and out of logs. Empty when there
+    is neither a recorded head nor a token file (a Ray cluster ratchet did not start).
+    """
+    environ = os.environ if environ is None else environ
+    user = user_ray_auth(environ)
+    if user:
+        # A token without a mode: `ray.init(address=...)` would connect without sending it.
+        user.setdefault("RAY_AUTH_MODE", "token")
+        return user
+    rec = recorded(settings).get("ray")
+    if rec is not None and rec.get("auth_mode", "token") != "token":
+        # A head started without token auth (by an older ratchet, or on the user's
+        # request): a driver must use the same mode, or Ray refuses it.
+        return {"RAY_AUTH_MODE": str(rec["auth_mode"])}
+    path = Path((rec or {}).get("auth_token_path") or settings.ray_token_file)
+    if not path.is_file():
+        return {}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+
+
+def _write_new_token(path: Path) -> None:
+    # O_EXCL with mode 0600: the file is never readable by others, not even for an
+    # instant, and a file or link put there by someone else is not followed.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def ensure_token(settings: ServiceSettings) -> Path:
+    """``<state>/ray_auth_token``, created with a random token when missing. A token
+    that others could have read (group or world bits set) or an empty file is replaced."""
+    path = settings.ray_token_file
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        _write_new_token(path)
+        logger.info("created a Ray authentication token in %s (mode 0600)", path)
+        return path
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise ServiceError(
+            f"{path} (the Ray authentication token) must be a regular file owned by you; "
+            "remove it and run `ratchet up` again to create a new token."
+        )
+    if st.st_mode & 0o077 or st.st_size == 0:
+        logger.warning(
+            "%s was readable by other users or empty; replacing the Ray token", path
+        )
+        path.unlink()
+        _write_new_token(path)
+    return path
+
+
+def head_auth(settings: ServiceSettings) -> tuple[dict[str, str], str]:
+    """The RAY_AUTH_* variables to start the head with, and where they came from
+    ("environment": the user's own, which win; "ratchet": ratchet's token file)."""
+    if user_ray_auth(os.environ):
+        return ray_auth_env(settings), "environment"
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ensure_token(settings))}, "ratchet"

@@ -1,0 +1,156 @@
+"""Where the embedded services live and which ports they use: ``ServiceSettings`` (from
+the environment or keyword arguments) and the addresses derived from it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_STATE_DIR",
+    "PORT_ENV",
+    "RAY_WORKER_PORTS",
+    "ServiceError",
+    "ServiceSettings",
+    "free_ports",
+    "object_store_root",
+    "ray_address",
+    "temporal_address",
+    "temporal_ui_url",
+]
+
+DEFAULT_STATE_DIR = Path(".ratchet")
+STATE_FILE = "services.json"
+RAY_TOKEN_FILE = "ray_auth_token"
+# `ray start` keeps these for worker processes and refuses a GCS port inside them.
+RAY_WORKER_PORTS = (10002, 19999)
+
+# Ports `ray start` reserves or uses by default, which a picked port must avoid.
+_AVOID_PORTS = set(range(RAY_WORKER_PORTS[0], RAY_WORKER_PORTS[1] + 1)) | {6379, 7233, 8233, 8265, 10001, 52365}
+
+# Which env var chooses which port (for error messages).
+PORT_ENV = {
+    "temporal_port": "RATCHET_TEMPORAL_PORT",
+    "temporal_ui_port": "RATCHET_TEMPORAL_UI_PORT",
+    "ray_port": "RATCHET_RAY_PORT",
+}
+
+
+class ServiceError(RuntimeError):
+    """An embedded service could not be started, found, or stopped."""
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports that were free a moment ago, outside Ray's reserved ranges
+    (for tests and benchmarks that run their own services beside a user's)."""
+    socks, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            port = s.getsockname()[1]
+            if port not in _AVOID_PORTS and port not in ports:
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def _env_port(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ServiceError(f"{name} must be a TCP port number, got {raw!r}") from None
+
+
+@dataclass
+class ServiceSettings:
+    """Where the embedded services live and which ports they use."""
+
+    state_dir: Path = field(default_factory=lambda: DEFAULT_STATE_DIR)
+    temporal_port: int = 7233
+    temporal_ui_port: int = 8233
+    # Ray's GCS port. Not Ray's default (6379), to stay clear of a user's own cluster.
+    ray_port: int = 6380
+    host: str = "127.0.0.1"
+    namespace: str = "default"
+    start_timeout_s: float = 30.0
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        # Absolute, so that the recorded paths do not depend on a later cwd.
+        self.state_dir = Path(os.path.abspath(Path(self.state_dir).expanduser()))
+        for name in PORT_ENV:
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 < value < 65536:
+                raise ServiceError(f"{name} must be a TCP port in 1..65535, got {value!r}")
+        ports = [self.temporal_port, self.temporal_ui_port, self.ray_port]
+        if len(set(ports)) != len(ports):
+            raise ServiceError(
+                "temporal_port, temporal_ui_port and ray_port must differ, got "
+                f"{self.temporal_port}, {self.temporal_ui_port}, {self.ray_port}"
+            )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "ServiceSettings":
+        """Settings from RATCHET_STATE_DIR, RATCHET_TEMPORAL_PORT,
+        RATCHET_TEMPORAL_UI_PORT and RATCHET_RAY_PORT; keyword overrides win."""
+        values: dict[str, Any] = {
+            "state_dir": Path(os.environ.get("RATCHET_STATE_DIR") or DEFAULT_STATE_DIR),
+            "temporal_port": _env_port(PORT_ENV["temporal_port"], 7233),
+            "temporal_ui_port": _env_port(PORT_ENV["temporal_ui_port"], 8233),
+            "ray_port": _env_port(PORT_ENV["ray_port"], 6380),
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    # paths
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / STATE_FILE
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def temporal_db(self) -> Path:
+        return self.state_dir / "temporal.db"
+
+    @property
+    def temporal_log(self) -> Path:
+        return self.logs_dir / "temporal.log"
+
+    @property
+    def ray_log(self) -> Path:
+        return self.logs_dir / "ray.log"
+
+    @property
+    def ray_token_file(self) -> Path:
+        return self.state_dir / RAY_TOKEN_FILE
+
+
+def temporal_address(settings: ServiceSettings) -> str:
+    """``host:port`` of the Temporal frontend these settings point at."""
+    return f"{settings.host}:{settings.temporal_port}"
+
+
+def temporal_ui_url(settings: ServiceSettings) -> str:
+    return f"http://{settings.host}:{settings.temporal_ui_port}"
+
+
+def ray_address(settings: ServiceSettings) -> str:
+    """``host:port`` of the Ray GCS, as passed to ``ray.init(address=...)``."""
+    return f"{settings.host}:{settings.ray_port}"
+
+
+def object_store_root(settings: ServiceSettings) -> Path:
+    return settings.state_dir / "runs"
