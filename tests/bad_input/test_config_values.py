@@ -54,6 +54,10 @@ def issues_for(overrides: list[str], *, check_files: bool = False, base: dict | 
         ("storage.root=simplecache::s3://bucket", "storage.root", "is not a URL ratchet supports"),
         ("storage.root=s3://", "storage.root", "names no bucket"),
         ("storage.root=minio:///", "storage.root", "names no bucket"),
+        # The run id is '<name>-<timestamp>-<random>': a name must not make it escape a folder.
+        ("tracking.name=.x", "tracking.name", "must match the pattern"),
+        ("tracking.name=..", "tracking.name", "must match the pattern"),
+        (f"tracking.name={'a' * 101}", "tracking.name", "must match the pattern"),
     ],
 )
 def test_bad_value_is_refused_naming_the_field(override: str, field: str, fragment: str) -> None:
