@@ -9,27 +9,47 @@ was lost is recreated and brought up to date from the trainer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import ray
+from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from ratchet.config.schema import RunConfig
+from ratchet.errors import RESOURCES_UNAVAILABLE, REWARD_TIMEOUT, WORKER_LOST
+from ratchet.ids import is_valid_id
 from ratchet.storage import ObjectStore
 from ratchet.workers.critic import CriticWorker
 from ratchet.workers.reward import RewardWorker
 from ratchet.workers.rollout import RolloutWorker
 from ratchet.workers.trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
 
-from .ray_calls import wait
+from .ray_calls import WaitTimeout, wait
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "ratchet"
-# Lost state that only a checkpoint could restore: retrying cannot help.
-WORKER_LOST = "WorkerLost"
+# An actor that no node could place in this long fails its activity instead of waiting
+# forever; a placed actor may then take as long as its constructor needs.
+PLACEMENT_TIMEOUT_S = 60.0
+# Freed CPUs reach Ray's resource view a moment after the kill that freed them.
+RESOURCE_SETTLE_S = 10.0
+# How long a trainer rank that survived an earlier start_workers may take to answer.
+PROBE_TIMEOUT_S = 10.0
+
+
+def run_actor_names() -> dict[str, list[str]]:
+    """Named actors in the `ratchet` namespace by run id (the name before '/')."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        run_id, sep, _ = entry["name"].partition("/")
+        if entry["namespace"] == NAMESPACE and sep and is_valid_id(run_id):
+            out[run_id].append(entry["name"])
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def release_run_actors(run_id: str, *, timeout_s: float = 30.0) -> list[str]:
@@ -51,6 +71,51 @@ def release_run_actors(run_id: str, *, timeout_s: float = 30.0) -> list[str]:
         while RunPools._find_named(name) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
     return killed
+
+
+# Temporal's closed states; a run that is not found is closed too (its history is gone).
+_OPEN = "RUNNING"
+
+
+async def run_is_open(client, run_id: str) -> bool:
+    """Whether workflow `run_id` (its latest execution) is still running. Errors other than
+    not-found count as open: when in doubt, an actor is kept."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    try:
+        desc = await client.get_workflow_handle(run_id).describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return False
+        log.warning("cannot tell whether run %s is open (%s); keeping its actors", run_id, exc)
+        return True
+    return desc.status is not None and desc.status.name == _OPEN
+
+
+async def sweep_closed_runs(client) -> dict[str, list[str]]:
+    """Release the actors of every run whose workflow is closed (completed, failed,
+    cancelled, terminated, timed out) or unknown: a worker that died with its run, or a run
+    terminated from outside, leaves detached actors that hold their CPUs forever otherwise.
+    Returns {run id: actor names killed}."""
+    runs = await asyncio.to_thread(run_actor_names)
+    released = {}
+    for run_id in sorted(runs):
+        if await run_is_open(client, run_id):
+            continue
+        released[run_id] = await asyncio.to_thread(release_run_actors, run_id)
+        log.warning("run %s is closed; released its leftover actors %s", run_id, ", ".join(released[run_id]))
+    return released
+
+
+def _actor_pid(actor) -> int | None:
+    """The worker process id of an actor; 0 while no node has placed it, None if unknown.
+    (Ray's private actor table: the public state API needs the dashboard.)"""
+    try:
+        from ray._private import state
+
+        return int(state.actors(actor_id=actor._actor_id.hex()).get("Pid", 0) or 0)
+    except Exception:  # noqa: BLE001 - an older or newer Ray: no placement check
+        return None
 
 
 def _actor_env(cfg: RunConfig) -> dict:
@@ -88,28 +153,102 @@ class RunPools:
             runtime_env=_actor_env(self.cfg),
         )
         remote_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
-        return remote_cls.options(**options).remote(*args)
+        actor = remote_cls.options(**options).remote(*args)
+        self._wait_placed(actor, self.name(role, rank), num_cpus)
+        return actor
 
-    def check_resources(self) -> None:
-        """Fail at once, not after a timeout, when the cluster can never place the actors."""
+    def _wait_placed(self, actor, name: str, num_cpus: float, timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+        """Until a node runs the actor (not until its constructor is done); heartbeating.
+        An actor that cannot be placed is killed (so it never takes CPUs later) and the
+        activity fails naming who holds the CPUs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pid = _actor_pid(actor)
+            if pid is None or pid > 0:
+                return
+            if time.monotonic() >= deadline:
+                break
+            if activity.in_activity():
+                activity.heartbeat(f"waiting for a node to place {name}")
+            time.sleep(0.5)
+        ray.kill(actor, no_restart=True)
+        self.wait_name_free(name)
+        raise ApplicationError(
+            f"run {self.run_id}: no Ray node could place actor {name} ({num_cpus:g} CPUs) within {timeout_s:g} s; "
+            f"{self._holders_text()}",
+            type=RESOURCES_UNAVAILABLE,
+            non_retryable=True,
+        )
+
+    def needed_cpus(self) -> float:
         r = self.cfg.resources
         need = r.trainer_cpus * self.cfg.trainer.world_size + r.rollout_cpus + r.reward_cpus
-        need += r.critic_cpus if self.cfg.uses_critic else 0.0
-        have = ray.cluster_resources().get("CPU", 0.0)
-        if need > have:
-            raise ApplicationError(
-                f"run {self.run_id} needs {need:g} Ray CPUs (resources.trainer_cpus x trainer.world_size + "
-                f"resources.rollout_cpus + resources.reward_cpus [+ resources.critic_cpus]) but the cluster has {have:g}; "
-                "lower the resources.* values or add nodes",
-                type="ConfigError",
-                non_retryable=True,
+        return need + (r.critic_cpus if self.cfg.uses_critic else 0.0)
+
+    def _held_by_own_actors(self, names: list[str]) -> float:
+        """CPUs the run's existing actors hold (a restore or a retry kills or reuses them),
+        by role as the run's config sets them."""
+        r = self.cfg.resources
+        per_role = {"trainer": r.trainer_cpus, "rollout": r.rollout_cpus, "reward": r.reward_cpus, "critic": r.critic_cpus}
+        return sum(per_role.get(n.partition("/")[2].rpartition("-")[0], 0.0) for n in names)
+
+    def _holders_text(self) -> str:
+        others = {k: v for k, v in run_actor_names().items() if k != self.run_id}
+        held = "; ".join(f"run {k}: {', '.join(v)}" for k, v in others.items()) or "no other run's actors"
+        return (
+            f"actors of other runs in the cluster: {held}. Stop the runs you no longer need (`ratchet stop RUN`), "
+            "or lower resources.trainer_cpus / rollout_cpus / reward_cpus / critic_cpus (or trainer.world_size)"
+        )
+
+    def check_resources(self, settle_s: float = RESOURCE_SETTLE_S) -> None:
+        """Fail at once, not after waiting for placement forever, when the CPUs the run
+        needs are not free: Ray's free CPUs plus what this run's own actors already hold.
+        Waits up to `settle_s` for CPUs that a kill just freed to show up."""
+        need = self.needed_cpus()
+        total = ray.cluster_resources().get("CPU", 0.0)
+        deadline = time.monotonic() + settle_s
+        while True:
+            own = self._held_by_own_actors(run_actor_names().get(self.run_id, []))
+            free = ray.available_resources().get("CPU", 0.0)
+            if need <= free + own + 1e-9 or need > total or time.monotonic() >= deadline:
+                break
+            if activity.in_activity():
+                activity.heartbeat("waiting for free CPUs")
+            time.sleep(0.5)
+        if need <= free + own + 1e-9:
+            return
+        what = (
+            "resources.trainer_cpus x trainer.world_size + resources.rollout_cpus + resources.reward_cpus "
+            "[+ resources.critic_cpus]"
+        )
+        if need > total:
+            msg = (
+                f"run {self.run_id} needs {need:g} Ray CPUs ({what}) but the cluster has {total:g}; "
+                "lower the resources.* values or add nodes"
             )
+        else:
+            msg = (
+                f"run {self.run_id} needs {need:g} Ray CPUs ({what}) but only {free + own:g} of the cluster's {total:g} are "
+                f"free ({free:g} free + {own:g} held by this run's own actors); {self._holders_text()}"
+            )
+        raise ApplicationError(msg, type=RESOURCES_UNAVAILABLE, non_retryable=True)
 
     # -- trainer -------------------------------------------------------------------------
 
     def start_trainers(self, policy_path: str) -> int:
-        """Create and set up every trainer rank; returns the parameter count."""
+        """Create and set up every trainer rank; returns the parameter count. Idempotent: a
+        retried start_workers reuses ranks that are all set up; ranks left half set up (a
+        process group that may be broken) are killed and all ranks made afresh, since a
+        surviving rank cannot join a new group."""
         world = self.cfg.trainer.world_size
+        survivors = [self._find("trainer", r) for r in range(world)]
+        if any(a is not None for a in survivors):
+            count = self._set_up_count(survivors)
+            if count is not None:
+                log.info("run %s: trainer ranks already set up; reusing them", self.run_id)
+                return count
+            log.warning("run %s: trainer ranks half set up; recreating all %d", self.run_id, world)
+            self.kill_trainers()
         ranks = [
             self._create(
                 TrainerWorker, "trainer", r, self.cfg.resources.trainer_cpus, self.cfg, policy_path, self.run_uri, r, world,
@@ -120,6 +259,18 @@ class RunPools:
         port = wait(ranks[0].rendezvous_port.remote())
         counts = wait([a.setup.remote(port) for a in ranks])
         return counts[0]
+
+    def _set_up_count(self, ranks: list) -> int | None:
+        """The parameter count if every rank exists and is set up (in one group), else None."""
+        if any(a is None for a in ranks):
+            return None
+        try:
+            infos = wait([a.setup_info.remote() for a in ranks], timeout_s=PROBE_TIMEOUT_S)
+        except (WaitTimeout, ray.exceptions.RayError):
+            return None  # busy (stuck in a collective) or dead
+        if all(i["ready"] and i["world_size"] == len(ranks) for i in infos):
+            return infos[0]["num_parameters"]
+        return None
 
     def trainers(self, expected_version: int, *, retrying_update: bool = False, at_least: bool = False) -> list:
         """The trainer ranks, holding `expected_version` (or, for a retried train attempt
@@ -146,10 +297,13 @@ class RunPools:
     def kill_trainers(self) -> None:
         """Every trainer rank of the run, whatever world size it was started with."""
         prefix = self.name("trainer", 0)[:-1]
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix):
-                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
-                self.wait_name_free(entry["name"])
+        names = [n for n in run_actor_names().get(self.run_id, []) if n.startswith(prefix)]
+        for name in names:
+            actor = self._find_named(name)
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        for name in names:
+            self.wait_name_free(name)
 
     def wait_name_free(self, name: str, timeout_s: float = 30.0) -> None:
         """The kill of a named actor is asynchronous: wait until the name is free, or a new
@@ -223,7 +377,27 @@ class RunPools:
         return restore_critic(self, expected_version)
 
     def reward(self):
-        return self._find("reward") or self.start_reward(self.initial_policy())
+        """The reward worker, constructed (its time limit covers scoring only)."""
+        actor = self._find("reward") or self.start_reward(self.initial_policy())
+        wait(actor.__ray_ready__.remote())
+        return actor
+
+    def score(self, step: int, kind: str = "batches", part: int = 0) -> dict:
+        """Score a stored batch within `reward.timeout_s`; past it, the reward worker is
+        killed (the next attempt makes a fresh one) and the attempt fails."""
+        timeout_s = self.cfg.reward.timeout_s
+        actor = self.reward()
+        try:
+            return wait(actor.score.remote(step, kind, part), timeout_s=timeout_s)
+        except WaitTimeout:
+            ray.kill(actor, no_restart=True)
+            self.wait_name_free(self.name("reward"))
+            raise ApplicationError(
+                f"run {self.run_id}: scoring {kind} step {step} took longer than reward.timeout_s={timeout_s:g} s; the "
+                "reward worker was killed and the next attempt uses a new one. Fix a reward function that hangs, or "
+                "raise reward.timeout_s",
+                type=REWARD_TIMEOUT,
+            ) from None
 
     def sync_weights(self, version: int) -> tuple[int, int]:
         """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> the
@@ -269,11 +443,6 @@ class RunPools:
         return received, version
 
     def shutdown(self) -> list[str]:
-        killed = []
-        roles = [("rollout", 0), ("reward", 0), ("critic", 0)] + [("trainer", r) for r in range(max(2, self.cfg.trainer.world_size))]
-        for role, rank in roles:
-            actor = self._find(role, rank)
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-                killed.append(self.name(role, rank))
-        return killed
+        """Kill every actor of the run, whatever world size it had, and wait until their
+        names (and so their CPUs) are free: the next run's check_resources counts on it."""
+        return release_run_actors(self.run_id)

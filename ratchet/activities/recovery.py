@@ -20,13 +20,20 @@ import ray
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from ratchet.errors import WORKER_LOST
 from ratchet.storage import CheckpointStore, ObjectStore
 from ratchet.workers.critic import CRITIC_META, CRITIC_STATE
 from ratchet.workers.trainer import train_log_key
 
-from .ray_calls import wait
+from .ray_calls import heartbeating, wait
 
 log = logging.getLogger(__name__)
+
+
+def _heartbeat(msg: str) -> None:
+    """Progress of a long download: a checkpoint of a large model takes minutes to fetch."""
+    if activity.in_activity():
+        activity.heartbeat(msg)
 
 
 def restore_trainers(pools, expected_version: int) -> list:
@@ -41,13 +48,18 @@ def restore_trainers(pools, expected_version: int) -> list:
     # Checkpoints are named by step, and every step is one update: step == version.
     with tempfile.TemporaryDirectory(prefix="ratchet-restore-") as tmp:
         # A folder per try: a corrupted download's files must not mix with the next one's.
-        found = checkpoints.newest_good(lambda info: checkpoints.download(info.name, Path(tmp) / info.name), max_step=expected_version)
+        # The heartbeats of `progress` come per file; `heartbeating` covers one long file.
+        with heartbeating("downloading a checkpoint to restore the trainer"):
+            found = checkpoints.newest_good(
+                lambda info: checkpoints.download(info.name, Path(tmp) / info.name, progress=_heartbeat), max_step=expected_version
+            )
         if found is not None:
             ckpt = found[0]
             version = wait([a.restore.remote(str(Path(tmp) / ckpt.name)) for a in ranks])[0]
             source = f"checkpoint {ckpt.name}"
     for entry, v in _logged_updates(pools, store, version, expected_version):
-        wait([a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"]) for a in ranks])
+        # With the optimizer settings the update used (a resume may have changed them since).
+        wait([a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"], entry.get("optimizer")) for a in ranks])
     log.warning(
         "run %s: trainer rebuilt at v%d from %s and %d replayed updates in %.1f s",
         pools.run_id, expected_version, source, expected_version - version, time.perf_counter() - t0,
@@ -63,7 +75,7 @@ def _logged_updates(pools, store: ObjectStore, start: int, end: int):
         except FileNotFoundError:
             raise ApplicationError(
                 f"run {pools.run_id}: cannot rebuild the run's state: update v{v} was not logged ({train_log_key(v)} is missing)",
-                type="WorkerLost",
+                type=WORKER_LOST,
                 non_retryable=True,
             ) from None
         yield entry, v
@@ -85,10 +97,11 @@ def restore_critic(pools, expected_version: int):
     checkpoints = CheckpointStore(store)
     version, source = 0, "the initial critic"
     # Checkpoints of a run without a critic (or from before critics were saved) hold none.
-    found = checkpoints.newest_good(
-        lambda info: checkpoints.read_files(info.name, [CRITIC_STATE, CRITIC_META]) if CRITIC_STATE in info.files else None,
-        max_step=expected_version,
-    )
+    with heartbeating("reading the critic's state to restore it"):
+        found = checkpoints.newest_good(
+            lambda info: checkpoints.read_files(info.name, [CRITIC_STATE, CRITIC_META]) if CRITIC_STATE in info.files else None,
+            max_step=expected_version,
+        )
     if found is not None and found[1] is not None:
         version = wait(critic.load_state_files.remote(found[1]))
         source = f"checkpoint {found[0].name}"

@@ -16,8 +16,10 @@ from functools import lru_cache
 import ray
 import temporalio.converter
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from ratchet.config.schema import RunConfig
+from ratchet.errors import CHECKPOINT_FAILED
 from ratchet.storage import MetricsLog, ObjectStore
 from ratchet.types import (
     BatchRef,
@@ -139,7 +141,7 @@ def generate(inp: RolloutInput) -> BatchRef:
 @activity.defn(name="score")
 def score(inp: ScoreInput) -> ScoreOutput:
     pools = pools_for(inp.run)
-    out = wait(pools.reward().score.remote(inp.batch.step, "batches", inp.batch.part))
+    out = pools.score(inp.batch.step, "batches", inp.batch.part)
     return ScoreOutput(
         reward_mean=out["reward_mean"],
         reward_std=out["reward_std"],
@@ -181,7 +183,7 @@ def evaluate(inp: EvalInput) -> EvalOutput:
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     pools = pools_for(inp.run)
     gen = wait(pools.rollout(inp.policy_version).generate_eval.remote(inp.step, cfg.data.eval_size))
-    out = wait(pools.reward().score.remote(inp.step, "evals"))
+    out = pools.score(inp.step, "evals")
     return EvalOutput(step=inp.step, reward_mean=out["reward_mean"], num_samples=gen["num_samples"])
 
 
@@ -192,14 +194,51 @@ def checkpoint(inp: CheckpointInput) -> CheckpointOutput:
     pools = pools_for(inp.run)
     ranks = pools.trainers(inp.policy_version)
     run_state = json.loads(PAYLOADS.to_payloads([inp.state])[0].data)
+    # A background upload that failed is reported now, never dropped: this checkpoint is
+    # then taken in the foreground, and the activity fails (and is retried) if it fails too.
+    failed = _checkpoint_errors(wait([a.wait_checkpoint.remote() for a in ranks]))
+    if failed:
+        log.warning("run %s: %s; taking checkpoint step %d in the foreground", inp.run.run_id, failed, inp.step)
     # The critic's state goes from its actor to rank 0 directly (an ObjectRef, not via here).
     critic = pools.critic(inp.policy_version).state_files.remote() if pools.cfg.uses_critic else None
-    outs = wait([a.start_checkpoint.remote(inp.step, run_state, critic if r == 0 else None) for r, a in enumerate(ranks)])
+    outs = wait(
+        [a.start_checkpoint.remote(inp.step, run_state, critic if r == 0 else None, bool(failed)) for r, a in enumerate(ranks)]
+    )
+    now_failed = _checkpoint_errors(outs)
+    if now_failed:
+        earlier = f" (after an earlier one: {failed})" if failed else ""
+        raise ApplicationError(f"run {inp.run.run_id}: {now_failed}{earlier}", type=CHECKPOINT_FAILED)
     return CheckpointOutput(
         name=outs[0]["name"],
         stall_seconds=max(o["stall_seconds"] for o in outs),
         waited_seconds=max(o["waited_seconds"] for o in outs),
     )
+
+
+def _checkpoint_errors(outs: list[dict]) -> str:
+    """The failures the ranks report (rank 0 uploads; every rank writes), as one text."""
+    return "; ".join(dict.fromkeys(o["error"] for o in outs if o.get("error")))
+
+
+def _settle_last_checkpoint(run_id: str, ranks: list) -> None:
+    """A run must not complete without its last checkpoint: if it failed, take it again
+    (the trainer still holds its version unless it trained on); if that fails too, fail
+    the attempt: Temporal retries it, and then the run fails naming the checkpoint."""
+    failed = _checkpoint_errors(wait([a.wait_checkpoint.remote() for a in ranks]))
+    if not failed:
+        return
+    log.warning("run %s: %s; taking it again", run_id, failed)
+    outs = wait([a.redo_checkpoint.remote() for a in ranks])
+    again = _checkpoint_errors(outs)
+    if again:
+        # A retry cannot help once the trainer trained on: the failed state is gone.
+        impossible = any(o.get("impossible") for o in outs)
+        raise ApplicationError(
+            f"run {run_id}: {again}. The run has no committed checkpoint of its last state; check storage.root "
+            "(space, permissions, the object store) and resume the run from its last good checkpoint",
+            type=CHECKPOINT_FAILED,
+            non_retryable=impossible,
+        )
 
 
 @activity.defn(name="record_step")
@@ -214,9 +253,7 @@ def finish_run(inp: FinishInput) -> FinishOutput:
     pools = pools_for(inp.run)
     uri = ""
     ranks = pools.trainers(inp.policy_version)
-    for out in wait([a.wait_checkpoint.remote() for a in ranks]):  # the last upload lands first
-        if out["error"]:
-            log.warning("run %s: the last checkpoint failed: %s", inp.run.run_id, out["error"])
+    _settle_last_checkpoint(inp.run.run_id, ranks)  # the last upload lands first
     if cfg.checkpoint.export_final:
         uri = wait([a.export.remote("final/model") for a in ranks])[0]
     killed = pools.shutdown()

@@ -12,13 +12,14 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ratchet.types import TASK_QUEUE
 
-from .services import ServiceSettings, ray_address, temporal_address
+from .services import ServiceSettings, ray_address, ray_auth_env, temporal_address
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ class WorkerSettings:
     # How long a workflow waits for this (possibly dead) worker before another may take
     # its next task. Temporal's default of 10 s is long for a stalled training step.
     sticky_schedule_to_start_seconds: float = 10.0
+    # RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH of the Ray head (`services.ray_auth_env`):
+    # a path, not the token; kept out of the repr all the same.
+    ray_auth_env: dict[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
@@ -48,10 +52,29 @@ class WorkerSettings:
             ray_address=env.get("RATCHET_RAY_ADDRESS") or ray_address(ServiceSettings.from_env()),
             task_queue=env.get("RATCHET_TASK_QUEUE", TASK_QUEUE),
             sticky_schedule_to_start_seconds=float(env.get("RATCHET_STICKY_TIMEOUT_S", "10")),
+            ray_auth_env=ray_auth_env(ServiceSettings.from_env()),
         )
 
 
-def connect_ray(address: str) -> None:
+def _apply_ray_auth(auth_env: dict[str, str]) -> None:
+    """Put the head's RAY_AUTH_* variables into this process's environment. Ray reads
+    them once, when it is imported: refresh its config and token cache if it already was."""
+    changed = {k: v for k, v in auth_env.items() if os.environ.get(k) != v}
+    if not changed:
+        return
+    os.environ.update(changed)
+    if "ray" in sys.modules:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+
+def connect_ray(address: str, auth_env: dict[str, str] | None = None) -> None:
+    """Join the Ray head at `address` as a driver, with its token (`auth_env`, from
+    `services.ray_auth_env`; the environment's own RAY_AUTH_* when None)."""
+    if auth_env:
+        _apply_ray_auth(auth_env)
     import ray
 
     if not ray.is_initialized():
@@ -92,12 +115,27 @@ async def _connect_temporal(client_cls, settings: WorkerSettings, timeout_s: flo
             return await client_cls.connect(settings.temporal_address, namespace=settings.namespace)
 
 
+async def _sweep_leftover_actors(client) -> None:
+    """Release the actors of runs that closed without releasing them (a run terminated
+    from outside, a worker that died with its run); a failed sweep never stops the worker."""
+    from ratchet.activities.pools import sweep_closed_runs
+
+    try:
+        released = await sweep_closed_runs(client)
+    except Exception:  # noqa: BLE001 - the worker is needed more than the sweep
+        log.warning("sweeping the actors of closed runs failed", exc_info=True)
+        return
+    if released:
+        log.info("released the actors of closed runs: %s", ", ".join(sorted(released)))
+
+
 async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set or the process gets SIGTERM/SIGINT."""
     from temporalio.client import Client
 
-    connect_ray(settings.ray_address)
+    connect_ray(settings.ray_address, settings.ray_auth_env)
     client = await _connect_temporal(Client, settings)
+    await _sweep_leftover_actors(client)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

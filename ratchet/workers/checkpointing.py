@@ -315,7 +315,21 @@ def load_trainer_state(trainer: PolicyTrainer, local_dir: str | Path) -> dict:
     trainer.version = int(state["version"])
     if trainer.version != meta["version"]:
         raise ValueError(f"{local_dir}: tensor version {trainer.version} != meta version {meta['version']}")
+    # The saved param_groups carry the hyper-parameters the checkpoint was trained with;
+    # the run's config owns them (`ratchet resume R trainer.lr=1e-6` trains with 1e-6).
+    apply_optimizer_hyperparameters(trainer, config_hyperparameters(trainer.cfg))
     return meta["extra"]
+
+
+def config_hyperparameters(cfg) -> dict:
+    """The optimizer settings a run's config owns (JSON-ready: they go into the train log)."""
+    t = cfg.trainer
+    return {"lr": float(t.lr), "betas": [float(b) for b in t.betas], "weight_decay": float(t.weight_decay)}
+
+
+def apply_optimizer_hyperparameters(trainer: PolicyTrainer, hyper: dict) -> None:
+    for group in trainer.optimizer.param_groups:
+        group.update(lr=hyper["lr"], betas=tuple(hyper["betas"]), weight_decay=hyper["weight_decay"])
 
 
 # --------------------------------------------------------------------------- determinism

@@ -15,6 +15,7 @@ logged updates replayed on their stored values and returns (activities/recovery.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
@@ -23,6 +24,7 @@ from safetensors.torch import save as st_save
 
 from ratchet.algorithms import masked_mean, value_clipped, value_loss
 from ratchet.config.schema import RunConfig
+from ratchet.errors import NonFiniteError
 from ratchet.storage import BatchStore, ObjectStore
 
 from .batch import RolloutBatch, load_step
@@ -85,6 +87,11 @@ class CriticTrainer:
                 loss_sum += loss.sum().item()
                 clipped_sum += value_clipped(*args).float().sum().item()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            if not math.isfinite(float(grad_norm)):  # before the step: the critic's weights stay finite
+                raise NonFiniteError(
+                    f"critic update: gradient norm {float(grad_norm)} (value loss {loss_sum}); the step was skipped. "
+                    "Check the rewards, or lower critic.lr"
+                )
             self.optimizer.step()
         denom = tokens.item() * self.cfg.ppo_epochs
         return {
@@ -118,6 +125,8 @@ class CriticTrainer:
                 _, idx, key = k.split("/", 2)
                 state.setdefault(int(idx), {})[key] = v
         self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        for group in self.optimizer.param_groups:  # the run's config owns it (a resume may change it)
+            group["lr"] = self.cfg.lr
         return int(meta["version"])
 
 

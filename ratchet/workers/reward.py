@@ -15,7 +15,7 @@ from ratchet.tasks.loading import load_reward_fn
 from .batch import RolloutBatch, part_name, save_scores
 from .hf_io import local_hf_path
 from .runtime import configure_worker_process
-from .scoring import RewardModelScorer, score_batch
+from .scoring import RewardModelScorer, check_finite_rewards, score_batch
 
 
 class RewardWorker:
@@ -30,29 +30,31 @@ class RewardWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(local_hf_path(tokenizer_path))
         self.run = ObjectStore(run_uri)
 
-    def _rewards(self, batch: RolloutBatch) -> tuple[torch.Tensor, list[dict]]:
+    def _rewards(self, batch: RolloutBatch, step: int | None = None) -> tuple[torch.Tensor, list[dict]]:
         """function_weight * rule score + model_weight * reward-model score."""
         total = torch.zeros(len(batch))
         extras: list[dict] = [{} for _ in range(len(batch))]
         if self.reward_fn is not None:
-            rule, rule_extras = score_batch(batch, self.tokenizer, self.reward_fn)
+            rule, rule_extras = score_batch(batch, self.tokenizer, self.reward_fn, step)
             total += self.cfg.function_weight * rule
             extras = [{**e, "rule_score": float(s)} for e, s in zip(rule_extras, rule)]
         if self.reward_model is not None:
             rm = self.reward_model.score(batch, self.tokenizer)
+            check_finite_rewards(rm, batch.samples, step, "the reward model")
             total += self.cfg.model_weight * rm
             extras = [{**e, "rm_score": float(s)} for e, s in zip(extras, rm)]
+        check_finite_rewards(total, batch.samples, step, "the reward mix (reward.function_weight, reward.model_weight)")
         return total, extras
 
     def score(self, step: int, kind: str = "batches", part: int = 0) -> dict:
         t0 = time.perf_counter()
         store = BatchStore(self.run, kind)
         batch = RolloutBatch.load(store, step, part_name("rollout", part))
-        rewards, extras = self._rewards(batch)
+        rewards, extras = self._rewards(batch, step)
         save_scores(store, step, rewards, extras, part_name("scores", part))
         baseline_name = part_name("baseline", part)
         if store.has(step, baseline_name):  # ReMax: the greedy baseline responses
-            base_rewards, base_extras = self._rewards(RolloutBatch.load(store, step, baseline_name))
+            base_rewards, base_extras = self._rewards(RolloutBatch.load(store, step, baseline_name), step)
             save_scores(store, step, base_rewards, base_extras, part_name("baseline-scores", part))
         keep = dynamic_sampling_keep(rewards, batch.prompt_index)
         return {

@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,11 +25,13 @@ import numpy as np
 import ray
 
 from ratchet.config.schema import RunConfig
+from ratchet.errors import NonFiniteError
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
 
 from .batch import load_step
 from .hf_io import local_hf_path, save_hf
-from .policy_update import PolicyTrainer
+from .local_paths import staging_dir
+from .policy_update import PolicyTrainer, check_finite_weights
 from .runtime import configure_worker_process
 
 
@@ -48,11 +49,6 @@ def train_log_key(policy_version: int) -> str:
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def staging_dir(run_id: str, name: str) -> Path:
-    """Where the ranks of one node write a checkpoint before it is uploaded."""
-    return Path(tempfile.gettempdir()) / "ratchet-staging" / run_id / name
 
 
 def free_port() -> int:
@@ -73,20 +69,43 @@ class TrainerWorker:
         # (version, ObjectRef of the full weights) after each update, on rank 0, when syncs
         # overlap updates (partial rollouts): a sync need not wait for the update in flight.
         self._published: tuple[int, object] | None = None
+        # The outcome of the latest checkpoint (None: committed or none yet), kept until a
+        # later checkpoint replaces it, so a failed upload is always reported.
         self._checkpoint_error: str | None = None
+        self._checkpoint_request: tuple | None = None  # (step, run_state, extra files, version) of the latest
+        self._num_parameters = 0
+        self.process_group_inits = 0  # init_process_group calls in this actor (once, or a retry broke it)
 
     def rendezvous_port(self) -> int:
         return free_port()
 
     def setup(self, master_port: int) -> int:
-        """Join the process group (all ranks at once) and load the policy; returns parameter count."""
+        """Join the process group (all ranks at once) and load the policy; returns parameter
+        count. A rank already set up answers at once: a retried start_workers must not
+        initialise the process group a second time."""
+        if self.trainer is not None:
+            return self._num_parameters
         if self.world_size > 1:
             import torch.distributed as dist
 
+            if dist.is_initialized():
+                raise RuntimeError(f"trainer rank {self.rank}: process group joined but the set-up failed; recreate the ranks")
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
-        self.trainer = PolicyTrainer(self.policy_path, self.cfg, rank=self.rank, world_size=self.world_size)
-        return self.trainer.num_parameters()
+            self.process_group_inits += 1
+        trainer = PolicyTrainer(self.policy_path, self.cfg, rank=self.rank, world_size=self.world_size)
+        self._num_parameters = trainer.num_parameters()  # a collective: every rank is here
+        self.trainer = trainer
+        return self._num_parameters
+
+    def setup_info(self) -> dict:
+        """Whether this rank is set up, in which world; for a retried start_workers."""
+        return {
+            "ready": self.trainer is not None,
+            "world_size": self.world_size,
+            "num_parameters": self._num_parameters,
+            "process_group_inits": self.process_group_inits,
+        }
 
     def policy_version(self) -> int:
         """The version held; -1 before `setup` finished (a half-built rank is rebuilt)."""
@@ -94,6 +113,7 @@ class TrainerWorker:
 
     def _publish(self) -> None:
         state = self.trainer.state_numpy()  # every rank: unsharding is a collective
+        check_finite_weights(state, f"the weights of policy v{self.trainer.version} (to be synced)")
         if self.rank == 0 and ray.is_initialized():
             self._published = (self.trainer.version, ray.put(state))
 
@@ -102,10 +122,15 @@ class TrainerWorker:
         """The latest published (version, weights ObjectRef), or None."""
         return self._published
 
-    def train(self, step: int, policy_version: int, kl_coef: float, parts: int = 1) -> dict:
+    def train(self, step: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None) -> dict:
         """Update policy v`policy_version` on `step`. A retried activity whose first attempt
-        already updated the policy gets that update's result instead of a second update."""
+        already updated the policy gets that update's result instead of a second update.
+        `optimizer` (lr, betas, weight_decay): the settings a logged update used, for a
+        replay; by default the run's config (which a resume may have changed)."""
+        from .checkpointing import apply_optimizer_hyperparameters, config_hyperparameters
+
         t0 = time.perf_counter()
+        hyper = optimizer or config_hyperparameters(self.cfg)
         store = BatchStore(self.run)
         if self._last is not None and self._last[0] == (step, policy_version) and self.trainer.version == policy_version + 1:
             result = self._last[1]
@@ -113,14 +138,20 @@ class TrainerWorker:
             if policy_version != self.trainer.version:
                 raise RuntimeError(f"trainer holds policy v{self.trainer.version}, asked to train v{policy_version}")
             data = load_step(store, step, parts)
+            apply_optimizer_hyperparameters(self.trainer, hyper)
             values = store.read(step, "values")[0]["values"] if store.has(step, "values") else None
-            result = self.trainer.train_step(data, kl_coef=kl_coef, values=values)
+            try:
+                result = self.trainer.train_step(data, kl_coef=kl_coef, values=values)
+            except NonFiniteError as e:
+                raise NonFiniteError(f"step {step} (policy v{policy_version}): {e}") from None
             self._last = ((step, policy_version), result)
             if self.cfg.uses_partial_rollouts:
                 self._publish()
         if self.rank == 0:
             store.write(step, "advantages", {"advantages": result.advantages, "returns": result.returns}, {})
-            self.run.put_json(train_log_key(policy_version), {"batch": step, "parts": parts, "kl_coef": kl_coef})
+            self.run.put_json(
+                train_log_key(policy_version), {"batch": step, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper}
+            )
         result.metrics["train_seconds"] = time.perf_counter() - t0
         return {"policy_version": self.trainer.version, "metrics": result.metrics, "kl_coef": result.kl_coef}
 
@@ -150,27 +181,58 @@ class TrainerWorker:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def start_checkpoint(self, step: int, run_state: dict, extra_files: dict[str, bytes] | None = None) -> dict:
+    def start_checkpoint(
+        self, step: int, run_state: dict, extra_files: dict[str, bytes] | None = None, foreground: bool = False
+    ) -> dict:
         """Snapshot the state (the only stall), then write, export and upload it in the
-        background. Every rank calls (the snapshot and the write are collectives); rank 0
-        adds `extra_files` (relative path -> bytes: the critic's state) to the checkpoint."""
+        background (with `foreground`, before returning; its error, if any, is returned).
+        Every rank calls (the snapshot and the write are collectives); rank 0 adds
+        `extra_files` (relative path -> bytes: the critic's state) to the checkpoint. The
+        caller reads the previous checkpoint's outcome first (`wait_checkpoint`): this
+        one replaces it."""
         from .checkpointing import snapshot
 
         waited = self.wait_checkpoint()["seconds"]  # one checkpoint in flight at a time
         t0 = time.perf_counter()
         name = checkpoint_name(step)
         meta = {"step": step, "policy_version": self.trainer.version, "world_size": self.world_size}
-        snap = snapshot(self.trainer, meta)
         full = {k: v.clone() for k, v in self.trainer.full_state().items()}  # for the HF export
+        # Every rank holds the full weights here, so every rank refuses alike.
+        check_finite_weights(full, f"the weights of policy v{self.trainer.version} (checkpoint {name})")
+        snap = snapshot(self.trainer, meta)
         stall = time.perf_counter() - t0
-        job = threading.Thread(
-            target=self._write_checkpoint,
-            args=(snap, full if self.rank == 0 else None, name, meta, run_state, extra_files or {}),
-            daemon=True,
-        )
-        self._checkpointing, self._checkpoint_error = job, None
-        job.start()
-        return {"name": name, "stall_seconds": stall, "waited_seconds": waited, "policy_version": self.trainer.version}
+        self._checkpoint_request = (step, run_state, extra_files or {}, self.trainer.version)
+        args = (snap, full if self.rank == 0 else None, name, meta, run_state, extra_files or {})
+        self._checkpoint_error = None
+        if foreground:
+            self._write_checkpoint(*args)
+        else:
+            self._checkpointing = threading.Thread(target=self._write_checkpoint, args=args, daemon=True)
+            self._checkpointing.start()
+        return {
+            "name": name,
+            "stall_seconds": stall,
+            "waited_seconds": waited,
+            "policy_version": self.trainer.version,
+            "error": self._checkpoint_error if foreground else None,
+        }
+
+    def redo_checkpoint(self) -> dict:
+        """Take the latest checkpoint again, in the foreground, if it failed on any rank
+        (every rank calls; the write is a collective) and the trainer still holds its
+        version. Returns its error (None: committed) and whether a redo was impossible."""
+        self.wait_checkpoint()
+        if self._checkpoint_request is None:
+            return {"error": None, "impossible": False}
+        step, run_state, extra_files, version = self._checkpoint_request
+        if self.trainer.version != version:
+            return {
+                "error": f"checkpoint {checkpoint_name(step)} failed ({self._checkpoint_error}) and cannot be taken again: "
+                f"the trainer has trained on from v{version} to v{self.trainer.version}",
+                "impossible": True,
+            }
+        out = self.start_checkpoint(step, run_state, extra_files, foreground=True)
+        return {"error": out["error"], "impossible": False}
 
     def _write_checkpoint(self, snap, full_state, name: str, meta: dict, run_state: dict, extra_files: dict[str, bytes]) -> None:
         from .checkpointing import write_snapshot
@@ -189,9 +251,9 @@ class TrainerWorker:
             ckpts.commit(name, local, meta)
             c = self.cfg.checkpoint
             ckpts.apply_retention(keep_last=c.keep_last, keep_every=c.keep_every)
-        except Exception as e:  # noqa: BLE001 - reported by wait_checkpoint; the run goes on
+        except Exception as e:  # noqa: BLE001 - kept, and reported by the next wait_checkpoint
             log.exception("checkpoint %s failed", name)
-            self._checkpoint_error = f"{name}: {type(e).__name__}: {e}"
+            self._checkpoint_error = f"checkpoint {name} failed on trainer rank {self.rank}: {type(e).__name__}: {e}"
         finally:
             if self.rank == 0:
                 shutil.rmtree(local, ignore_errors=True)
@@ -206,7 +268,8 @@ class TrainerWorker:
         AutoTokenizer.from_pretrained(self.policy_path).save_pretrained(out)
 
     def wait_checkpoint(self) -> dict:
-        """Wait for the checkpoint in flight (if any) to be committed; its error, if it failed."""
+        """Wait for the checkpoint in flight (if any) to be committed; the latest
+        checkpoint's error, if it failed (it stays until another checkpoint is taken)."""
         t0 = time.perf_counter()
         if self._checkpointing is not None:
             self._checkpointing.join()
@@ -220,6 +283,7 @@ class TrainerWorker:
     def weights(self) -> dict[str, np.ndarray] | None:
         """Full weights on rank 0 (every rank must call: unsharding is a collective)."""
         state = self.trainer.state_numpy()
+        check_finite_weights(state, f"the weights of policy v{self.trainer.version} (to be synced)")
         return state if self.rank == 0 else None
 
     def export(self, key: str) -> str | None:
@@ -227,6 +291,7 @@ class TrainerWorker:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         state = self.trainer.full_state()
+        check_finite_weights(state, f"the weights of policy v{self.trainer.version} (export to {key})")
         if self.rank != 0:
             return None
         model = AutoModelForCausalLM.from_pretrained(self.policy_path)

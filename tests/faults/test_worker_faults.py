@@ -1,0 +1,380 @@
+"""Faults on the worker side, with the real parts: leaked actors swept and free CPUs
+checked (real Ray + Temporal), checkpoint uploads that fail (the run fails naming the
+checkpoint), NaN rewards, a reward function that raises or hangs, errors Ray wraps
+classified by their cause, a retried start_workers, and a resume with a new lr."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ratchet.config.schema import RunConfig
+from ratchet.models.tiny import VOCAB
+from ratchet.platform.client import RECIPE_PATH
+from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
+from ratchet.workers.batch import RolloutBatch, save_scores
+
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled, )?unavailable or uninitialized")
+
+PAD, BOS = VOCAB.index("<pad>"), VOCAB.index("<bos>")
+DIGITS = [VOCAB.index(str(d)) for d in range(10)]
+REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 0.25, 0.0])
+# A tiny run that leaves CPUs to spare on a 2-core Ray.
+TINY = ["warmup.steps=0", "data.eval_files=null", "loop.prompts_per_step=4", "rollout.n=2", "resources.trainer_cpus=0.5",
+        "resources.rollout_cpus=0.5"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from ratchet.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def make_cfg(model_path, **trainer) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "seed": 0,
+            "model": {"path": str(model_path)},
+            "data": {"train_files": "unused.parquet"},
+            "rollout": {"n": 4, "max_response_length": 6},
+            "trainer": {"lr": 1e-3, "micro_batch_size": 4, **trainer},
+        }
+    )
+
+
+def stored_step(run: ObjectStore) -> None:
+    g = torch.Generator().manual_seed(0)
+    digits = torch.tensor(DIGITS)
+    prompt = digits[torch.randint(0, 10, (8, 6), generator=g)]
+    prompt[:, 0] = BOS
+    batch = RolloutBatch(
+        prompt_ids=prompt,
+        prompt_mask=torch.ones(8, 6, dtype=torch.long),
+        response_ids=digits[torch.randint(0, 10, (8, 6), generator=g)],
+        response_mask=torch.ones(8, 6),
+        rollout_logprobs=-2.0 - torch.rand(8, 6, generator=g),
+        policy_version=torch.zeros(8, 6, dtype=torch.long),
+        prompt_index=torch.tensor([0] * 4 + [1] * 4),
+        samples=[{}] * 8,
+    )
+    store = BatchStore(run)
+    batch.save(store, 0)
+    save_scores(store, 0, REWARDS, [{}] * 8)
+
+
+def trainer_worker(tiny_model, run: ObjectStore, **trainer):
+    from ratchet.workers.trainer import TrainerWorker
+
+    worker = TrainerWorker(make_cfg(tiny_model, **trainer), str(tiny_model), run.url, 0, 1)
+    worker.setup(0)
+    return worker
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def test_failed_checkpoint_upload_is_kept_until_reported_and_redone(tiny_model, tmp_path):
+    """A file where the checkpoints folder should be makes every upload fail (root is not
+    stopped by file modes, a file in the way is)."""
+    run = ObjectStore(str(tmp_path / "run"))
+    stored_step(run)
+    blocker = tmp_path / "run" / "checkpoints"
+    blocker.write_text("in the way")
+    worker = trainer_worker(tiny_model, run)
+    worker.train(0, 0, 0.0)
+    worker.start_checkpoint(1, {"next_step": 1})
+    first = worker.wait_checkpoint()["error"]
+    assert first and first.startswith("checkpoint step-00000001 failed on trainer rank 0:")
+    assert worker.wait_checkpoint()["error"] == first, "the failure stays until another checkpoint replaces it"
+    again = worker.redo_checkpoint()
+    assert again["error"] and not again["impossible"]
+    blocker.unlink()  # storage is back: the redo commits the same checkpoint
+    assert worker.redo_checkpoint() == {"error": None, "impossible": False}
+    assert [c.name for c in CheckpointStore(run).list()] == ["step-00000001"]
+    # Once the trainer trained on, the failed state is gone: a redo says so.
+    (tmp_path / "run" / "checkpoints").rename(tmp_path / "kept")
+    blocker.write_text("in the way")
+    worker.start_checkpoint(2, {"next_step": 2})
+    worker.wait_checkpoint()
+    worker.train(0, 1, 0.0)  # the stored step once more, as update v1 -> v2
+    out = worker.redo_checkpoint()
+    assert out["impossible"] and out["error"].startswith("checkpoint step-00000002 failed (checkpoint step-00000002 failed on")
+    assert out["error"].endswith("cannot be taken again: the trainer has trained on from v1 to v2")
+
+
+def test_resume_applies_the_configs_optimizer_settings(tiny_model, tmp_path):
+    """A checkpoint's param_groups hold the lr it trained with; the loading run's config wins."""
+    run = ObjectStore(str(tmp_path / "run"))
+    stored_step(run)
+    first = trainer_worker(tiny_model, run, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99))
+    first.train(0, 0, 0.0)
+    first.save_state(str(tmp_path / "ckpt"), {})
+    assert run.get_json("train_log/v00000000.json")["optimizer"] == {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.0}
+    resumed = trainer_worker(tiny_model, ObjectStore(str(tmp_path / "run2")), lr=1e-6, weight_decay=0.1, betas=(0.8, 0.9))
+    resumed.load_state(str(tmp_path / "ckpt"))
+    group = resumed.trainer.optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"]) == (1e-6, 0.1, (0.8, 0.9))
+    # A replay (recovery) uses the settings the logged update used, then the config's again.
+    logged = run.get_json("train_log/v00000000.json")["optimizer"]
+    stored_step(ObjectStore(str(tmp_path / "run2")))
+    resumed.trainer.version = 0
+    resumed.train(0, 0, 0.0, 1, logged)
+    assert resumed.trainer.optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_setup_twice_does_not_rebuild(tiny_model, tmp_path):
+    worker = trainer_worker(tiny_model, ObjectStore(str(tmp_path / "run")))
+    trainer = worker.trainer
+    assert worker.setup(0) == trainer.num_parameters() and worker.trainer is trainer
+
+
+# --------------------------------------------------------------------------- real Ray and Temporal
+
+
+@pytest.fixture(scope="module")
+def ray_driver(platform):
+    """This test process as a driver of the platform's Ray (namespace `ratchet`)."""
+    import ray
+
+    from ratchet.platform.services import ray_address, ray_auth_env
+    from ratchet.platform.worker import connect_ray
+
+    connect_ray(ray_address(platform.settings), ray_auth_env(platform.settings))
+    yield ray
+    ray.shutdown()
+
+
+def failure_text(exc: BaseException) -> str:
+    parts = []
+    while exc is not None:
+        kind = getattr(exc, "type", None)
+        parts.append((f"[{kind}] " if isinstance(kind, str) else "") + str(getattr(exc, "message", "") or exc))
+        exc = exc.__cause__ or getattr(exc, "cause", None)
+    return " | ".join(parts)
+
+
+def run_fails(handle, timeout: float = 600) -> str:
+    from temporalio.client import WorkflowFailureError
+
+    with pytest.raises(WorkflowFailureError) as info:
+        handle.result(timeout=timeout)
+    return failure_text(info.value)
+
+
+def attempts(handle, activity_type: str) -> list[int]:
+    """Per scheduled activity, the attempt that ran last (Temporal records only that one's start)."""
+    from temporalio.api.enums.v1 import EventType
+
+    events = handle.history().events
+    scheduled = {
+        e.event_id
+        for e in events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and e.activity_task_scheduled_event_attributes.activity_type.name == activity_type
+    }
+    return [
+        e.activity_task_started_event_attributes.attempt
+        for e in events
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+        and e.activity_task_started_event_attributes.scheduled_event_id in scheduled
+    ]
+
+
+def wait_until(cond, timeout: float = 300.0, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("condition not reached in time")
+
+
+def reward_file(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "bad_reward.py"
+    head = "import math, os, time\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    path.write_text(head + body)
+    return f"reward.function={path}:compute_score"
+
+
+def test_actor_errors_are_classified_by_their_cause(ray_driver):
+    from temporalio.exceptions import ApplicationError
+
+    from ratchet.activities.ray_calls import wait
+    from ratchet.config import ConfigError
+    from ratchet.tasks.loading import RewardLoadError
+
+    ray = ray_driver
+
+    @ray.remote(num_cpus=0)
+    class Raises:
+        def config(self):
+            raise ConfigError([("reward.timeout_s", "must be finite")])
+
+        def transient(self):
+            raise ConnectionError("storage hiccup")
+
+    @ray.remote(num_cpus=0)
+    class BrokenInit:
+        def __init__(self):
+            raise RewardLoadError("file not found: /nowhere/reward.py")
+
+        def ping(self):
+            return 1
+
+    actor = Raises.remote()
+    with pytest.raises(ApplicationError) as info:
+        wait(actor.config.remote())
+    assert info.value.type == "ConfigError" and info.value.non_retryable
+    assert "reward.timeout_s: must be finite" in info.value.message
+    with pytest.raises(ray.exceptions.RayTaskError) as transient:  # not a domain error: retryable, as it was
+        wait(actor.transient.remote())
+    assert isinstance(transient.value, ConnectionError)
+    with pytest.raises(ApplicationError) as info:
+        wait(BrokenInit.remote().ping.remote())
+    assert info.value.type == "RewardLoadError" and info.value.non_retryable and "/nowhere/reward.py" in info.value.message
+    ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayActorError):  # an actor that died: retryable
+        wait(actor.config.remote())
+
+
+def test_check_resources_refuses_when_other_runs_hold_the_cpus(platform, ray_driver):
+    from temporalio.exceptions import ApplicationError
+
+    from ratchet.activities.pools import NAMESPACE, RunPools
+    from ratchet.config import load_config
+
+    ray = ray_driver
+
+    @ray.remote
+    class Hog:
+        def ping(self):
+            return 1
+
+    free = ray.available_resources().get("CPU", 0.0)
+    assert free >= 1.0, f"another test left actors holding CPUs: {ray.util.list_named_actors(all_namespaces=True)}"
+    hog = Hog.options(name="other-run/trainer-0", namespace=NAMESPACE, lifetime="detached", num_cpus=free).remote()
+    try:
+        ray.get(hog.ping.remote())
+        wait_until(lambda: ray.available_resources().get("CPU", 0.0) < 0.5, timeout=30)  # the view catches up
+        cfg = load_config(RECIPE_PATH, platform.overrides(*TINY))
+        with pytest.raises(ApplicationError) as info:
+            RunPools("needs-cpus", str(platform.runs_root / "needs-cpus"), cfg).check_resources(settle_s=1.0)
+        text = info.value.message
+        assert info.value.type == "ResourcesUnavailable" and info.value.non_retryable
+        assert "needs 1 Ray CPUs" in text and "run other-run: other-run/trainer-0" in text
+        assert "ratchet stop RUN" in text and "resources.trainer_cpus" in text
+    finally:
+        ray.kill(hog)
+
+
+def test_retried_start_trainers_reuses_the_process_group(platform, ray_driver, tmp_path):
+    """start_workers' pool logic twice with 2 ranks: no second init_process_group, and the
+    group still works (an unsharding collective)."""
+    from ratchet.activities.pools import RunPools, release_run_actors
+    from ratchet.config import load_config
+
+    cfg = load_config(RECIPE_PATH, platform.overrides(*TINY, "trainer.world_size=2"))
+    pools = RunPools("pg-retry", str(tmp_path / "pg-retry"), cfg)
+    try:
+        count = pools.start_trainers(str(platform.assets.model))
+        assert pools.start_trainers(str(platform.assets.model)) == count > 0
+        ranks = [pools._find("trainer", r) for r in range(2)]
+        infos = ray_driver.get([a.setup_info.remote() for a in ranks])
+        assert [i["process_group_inits"] for i in infos] == [1, 1]
+        state = ray_driver.get([a.weights.remote() for a in ranks])
+        assert state[1] is None and sum(v.size for v in state[0].values()) == count
+    finally:
+        release_run_actors("pg-retry")
+
+
+def test_worker_start_sweeps_the_actors_of_closed_runs(platform, ray_driver):
+    from ratchet.activities.pools import NAMESPACE, run_actor_names, sweep_closed_runs
+
+    client = platform.client
+    handle = client.submit(RECIPE_PATH, platform.overrides(*TINY, "loop.steps=200", "tracking.name=sweep"))
+    roles = lambda: {n.split("/")[1] for n in run_actor_names().get(handle.run_id, [])}  # noqa: E731
+    wait_until(lambda: {"trainer-0", "rollout-0", "reward-0"} <= roles())
+
+    @ray_driver.remote(num_cpus=0)
+    class Leftover:
+        def ping(self):
+            return 1
+
+    gone = Leftover.options(name="never-started-run/rollout-0", namespace=NAMESPACE, lifetime="detached").remote()
+    ray_driver.get(gone.ping.remote())
+    try:
+        released = client._run(sweep_closed_runs(client._temporal))
+        assert released == {"never-started-run": ["never-started-run/rollout-0"]}
+        assert handle.run_id in run_actor_names(), "a running run keeps its actors"
+        client._run(client._temporal.get_workflow_handle(handle.run_id).terminate("test: leave the actors behind"))
+        assert handle.run_id in run_actor_names()  # terminated: no workflow code ran to release them
+        released = client._run(sweep_closed_runs(client._temporal))
+        assert sorted(n.split("/")[1] for n in released[handle.run_id]) == ["reward-0", "rollout-0", "trainer-0"]
+        assert handle.run_id not in run_actor_names()
+    finally:
+        from ratchet.activities.pools import release_run_actors
+
+        release_run_actors(handle.run_id)
+
+
+def test_nan_reward_fails_the_run_in_its_first_step(platform, ray_driver, tmp_path):
+    from ratchet.activities.pools import run_actor_names
+
+    reward = reward_file(tmp_path, "    return float('nan') if '1' in ground_truth else 0.5\n")
+    handle = platform.client.submit(
+        RECIPE_PATH, platform.overrides(*TINY, "loop.steps=3", "checkpoint.every=1", "tracking.name=nan", reward)
+    )
+    text = run_fails(handle)
+    assert "[NonFiniteError]" in text and "the reward function gave nan at step 0, row" in text
+    assert "data_source 'digits/copy'" in text
+    assert attempts(handle, "score") == [1], "never retried"
+    assert attempts(handle, "train") == []
+    run_store = ObjectStore(str(platform.runs_root / handle.run_id))
+    assert CheckpointStore(run_store).list() == [] and not run_store.exists("train_log/v00000000.json")
+    wait_until(lambda: handle.run_id not in run_actor_names(), timeout=60)
+
+
+def test_reward_function_that_raises_fails_after_one_attempt(platform, ray_driver, tmp_path):
+    reward = reward_file(tmp_path, "    return {'score': 1.0}['missing']\n")
+    handle = platform.client.submit(RECIPE_PATH, platform.overrides(*TINY, "loop.steps=2", "tracking.name=raises", reward))
+    text = run_fails(handle)
+    assert "[RewardFunctionError]" in text and "raised KeyError: 'missing' at step 0, row 0" in text
+    assert "bad_reward.py:5 (compute_score)" in text
+    assert attempts(handle, "score") == [1]
+
+
+def test_hung_reward_is_cut_at_reward_timeout_and_replaced(platform, ray_driver, tmp_path):
+    pids = tmp_path / "pids"
+    body = f"    open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n    time.sleep(3600)\n    return 0.0\n"
+    reward = reward_file(tmp_path, body)
+    handle = platform.client.submit(
+        RECIPE_PATH, platform.overrides(*TINY, "loop.steps=2", "reward.timeout_s=2", "tracking.name=hangs", reward)
+    )
+    text = run_fails(handle)
+    assert "[RewardTimeout]" in text and "took longer than reward.timeout_s=2 s" in text
+    assert attempts(handle, "score") == [5]
+    assert len(set(pids.read_text().split())) == 5, "each attempt scored with a new reward actor"
+
+
+def test_failed_checkpoint_fails_the_run_naming_it(platform, ray_driver):
+    """The run's checkpoints folder is blocked by a file: the last checkpoint's background
+    upload fails, finish_run takes it again, fails, is retried, and the run fails."""
+    run_id = "ckpt-blocked"
+    (platform.runs_root / run_id).mkdir(parents=True)
+    (platform.runs_root / run_id / "checkpoints").write_text("in the way")
+    handle = platform.client.submit(
+        RECIPE_PATH, platform.overrides(*TINY, "loop.steps=2", "checkpoint.every=2", "tracking.name=ckpt"), run_id=run_id
+    )
+    text = run_fails(handle)
+    assert "[CheckpointFailed]" in text
+    assert "checkpoint step-00000002 failed on trainer rank 0: NotADirectoryError" in text
+    assert "no committed checkpoint of its last state" in text
+    assert attempts(handle, "finish_run") == [5]
