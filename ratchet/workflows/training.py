@@ -16,6 +16,10 @@ at or before k - lag, lag = min(max_staleness - sync_every + 1, queue_limit - 1)
 deepest pipeline that never exceeds the staleness bound), with weight syncs exactly every
 `sync_every` versions and no partial rollouts.
 
+The maths of the schedule (which version generates a batch, when the producer may start
+one, when a sync or checkpoint is due, what a checkpoint keeps of the work in flight, the
+metrics line) are pure functions in `scheduling.py`; this module orchestrates.
+
 The workflow is the controller with the global view (HybridFlow): it owns the run state
 (step, policy versions, prompt frontier, ready batches) and tells workers what to do; the
 workers are caches of that state. Everything here is deterministic (DESIGN.md, rule 8):
@@ -66,6 +70,8 @@ from ratchet.types import (
     WarmupInput,
     WarmupOutput,
 )
+from ratchet.workflows import scheduling as sched
+from ratchet.workflows.modes import LOOP_MODES
 
 # Transient failures (a worker restarting, storage hiccups) are retried with backoff; an
 # error that retrying cannot fix (bad config, lost trainer state) fails the run at once.
@@ -104,14 +110,6 @@ PHASES = {
     # No heartbeat timeout: it runs after any failure, a bad `heartbeat_timeout_s` included.
     "release_run": Phase(timedelta(minutes=2), heartbeat=False),
 }
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
-
-
-def _samples(rounds: list[ScoredBatch]) -> int:
-    return sum(r.batch.num_samples for r in rounds)
 
 
 @workflow.defn(name="TrainingWorkflow")
@@ -172,7 +170,7 @@ class TrainingWorkflow:
         out = [BatchStatus(index=i, state="in_flight", policy_version=v) for i, v in sorted(self._in_flight.items())]
         for rounds in self._state.ready if self._state else []:
             b = rounds[0].batch
-            out.append(BatchStatus(index=b.step, state="ready", policy_version=b.policy_version, num_samples=_samples(rounds)))
+            out.append(BatchStatus(index=b.step, state="ready", policy_version=b.policy_version, num_samples=sched.num_samples(rounds)))
         return out
 
     # -- the run -------------------------------------------------------------------------
@@ -214,7 +212,7 @@ class TrainingWorkflow:
         else:
             self._state = inp.resume
         state, plan = self._state, self._plan
-        loop = {"sync": self._sync_loop, "one_step_off": self._one_step_off_loop, "fully_async": self._fully_async_loop}[plan.mode]
+        loop = getattr(self, LOOP_MODES[plan.mode].method)
         can = await loop(state, plan)
         await self._records_written()
         if can:
@@ -232,8 +230,8 @@ class TrainingWorkflow:
             steps=state.next_step,
             policy_version=state.policy_version,
             final_policy_uri=done.final_policy_uri,
-            reward_first10=_mean(state.reward_first10),
-            reward_last10=_mean(state.reward_last10),
+            reward_first10=sched.mean(state.reward_first10),
+            reward_last10=sched.mean(state.reward_last10),
             eval_rewards=state.eval_rewards,
             warmup_loss_first=state.warmup_loss_first,
             warmup_loss_last=state.warmup_loss_last,
@@ -329,7 +327,7 @@ class TrainingWorkflow:
                 staleness = state.policy_version - rounds[0].batch.policy_version
                 if staleness > plan.max_staleness:
                     # Never trained on silently: counted, and its prompts are rolled out again.
-                    state.dropped_samples += _samples(rounds)
+                    state.dropped_samples += sched.num_samples(rounds)
                     state.retry_prompts.append(rounds[0].batch.prompt_start)
                     continue
                 self._training = True
@@ -337,9 +335,7 @@ class TrainingWorkflow:
                 self._training = False
                 updates_since_sync += 1
                 synced = None
-                # A deterministic schedule syncs at fixed versions, also across continue-as-new.
-                due = state.policy_version % plan.sync_every == 0 if plan.deterministic else updates_since_sync >= plan.sync_every
-                if due:
+                if sched.sync_due(plan, state.policy_version, updates_since_sync):
                     if plan.partial_rollout:
                         synced = await syncing if syncing is not None else None  # one in flight at a time
                         syncing = asyncio.ensure_future(self._sync(state))
@@ -363,15 +359,7 @@ class TrainingWorkflow:
         """fully_async: keep rollouts going while staleness and the queue allow."""
 
         def may_start() -> bool:
-            # Every batch ahead of a new one (training, ready, in flight) adds a version first.
-            ahead = len(state.ready) + len(self._in_flight) + int(self._training)
-            total_batches = state.next_step + ahead
-            if not (ahead < plan.queue_limit and total_batches < plan.steps):
-                return False
-            if plan.deterministic:
-                return self._scheduled_version(state, plan, state.next_batch) <= state.rollout_version
-            # The new batch is trained after everything ahead of it: its staleness then.
-            return state.policy_version + ahead - state.rollout_version <= plan.max_staleness
+            return sched.may_start(plan, state, in_flight=len(self._in_flight), training=self._training)
 
         # A batch is scored while the next one is generated: the reward worker does not
         # need the rollout engine. Batches still enter `ready` in order.
@@ -419,10 +407,8 @@ class TrainingWorkflow:
         return not self._stopping
 
     def _continue_as_new_suggested(self, state: RunState, plan: LoopPlan) -> bool:
-        if state.next_step >= plan.steps:
-            return False
-        every = plan.continue_as_new_every
-        return workflow.info().is_continue_as_new_suggested() or bool(every and state.next_step % every == 0)
+        suggested = workflow.info().is_continue_as_new_suggested()
+        return sched.continue_as_new_due(plan, state.next_step, suggested=suggested)
 
     async def _call(self, phase: str, arg, result_type):
         self._phase = phase
@@ -435,12 +421,6 @@ class TrainingWorkflow:
             heartbeat_timeout=timedelta(seconds=self._plan.heartbeat_timeout_s) if p.heartbeat else None,
             retry_policy=RETRY,
         )
-
-    def _scheduled_version(self, state: RunState, plan: LoopPlan, index: int) -> int:
-        """Deterministic fully_async: the policy version that generates batch `index`
-        (module docstring); after a resume, none older than the restored version."""
-        lag = min(plan.max_staleness - plan.sync_every + 1, plan.queue_limit - 1)
-        return max(max(0, index - lag) // plan.sync_every * plan.sync_every, state.version_floor)
 
     def _take_prompts(self, state: RunState, plan: LoopPlan, index: int) -> int:
         if state.retry_prompts:
@@ -459,9 +439,7 @@ class TrainingWorkflow:
         state.next_batch += 1
         rounds: list[ScoredBatch] = []
         informative = 0
-        # sync and one_step_off sync at fixed points anyway; fully_async runs ahead by timing.
-        scheduled = plan.deterministic and plan.mode == "fully_async"
-        version = self._scheduled_version(state, plan, index) if scheduled else state.rollout_version
+        version = sched.generating_version(plan, state, index)
         self._in_flight[index] = version
         self._in_flight_prompts[index] = []
         try:
@@ -517,16 +495,9 @@ class TrainingWorkflow:
         return synced
 
     async def _checkpoint(self, state: RunState) -> CheckpointOutput:
-        """The trainer state now, with the run state a resume carries on from. Batches still
-        being generated are not in it: their prompts are queued to be rolled out again, under
-        the same batch indices (so a deterministic run samples them alike)."""
-        in_flight = [p for i in sorted(self._in_flight_prompts) for p in self._in_flight_prompts[i]]
-        snapshot = replace(
-            state,
-            retry_prompts=[*in_flight, *state.retry_prompts],
-            ready=list(state.ready),
-            next_batch=min(self._in_flight, default=state.next_batch),
-        )
+        """The trainer state now, with the run state a resume carries on from (batches still
+        being generated are rolled out again: `scheduling.checkpoint_snapshot`)."""
+        snapshot = sched.checkpoint_snapshot(state, self._in_flight, self._in_flight_prompts)
         return await self._call(
             "checkpoint", CheckpointInput(state.run, state.next_step, state.policy_version, snapshot), CheckpointOutput
         )
@@ -551,40 +522,22 @@ class TrainingWorkflow:
         staleness: int | None = None,
     ) -> None:
         step = state.next_step
-        samples = _samples(rounds)
-        reward_mean = sum(r.score.reward_mean * r.batch.num_samples for r in rounds) / samples
-        gen_seconds = sum(r.batch.generate_seconds for r in rounds)
-        wall = max((workflow.now() - started).total_seconds(), 1e-9)
-        state.record_reward(reward_mean)
+        state.record_reward(sched.reward_mean(rounds))
         state.next_step = step + 1
-        self._tokens_per_second = sum(r.batch.num_response_tokens for r in rounds) / max(gen_seconds, 1e-9)
-        batch_version = rounds[0].batch.policy_version
-        metrics = {
-            "reward_mean": reward_mean,
-            "reward_std": rounds[0].score.reward_std,
-            "response_length": sum(r.batch.response_length_mean * r.batch.num_samples for r in rounds) / samples,
-            "tokens_per_second": self._tokens_per_second,
-            "policy_version": float(state.policy_version),
-            "batch_index": float(rounds[0].batch.step),
-            "batch_policy_version": float(batch_version),
-            # How many versions behind the trained policy the samples were (0 in sync mode).
-            "staleness": float(staleness if staleness is not None else trained.policy_version - 1 - batch_version),
-            "rollout_rounds": float(len(rounds)),
-            "generate_seconds": gen_seconds,
-            "score_seconds": sum(r.score.seconds for r in rounds),
-            "train_seconds": trained.seconds,
-            "sync_seconds": synced.seconds if synced else 0.0,
-            "sync_megabytes": synced.megabytes if synced else 0.0,
-            "step_seconds": wall,
-            "trainer_idle_fraction": min(trainer_wait / wall, 1.0),
-            "rollout_idle_fraction": max(0.0, 1.0 - self._rollout_busy_seconds / wall),
-            "queue_depth": float(len(state.ready)),
-            "dropped_samples": float(state.dropped_samples),
-            **{k: v for k, v in trained.metrics.items() if k not in ("response_length", "train_seconds")},
-        }
+        self._tokens_per_second = sched.tokens_per_second(rounds)
+        metrics = sched.step_metrics(
+            state,
+            rounds,
+            trained,
+            synced,
+            wall_seconds=(workflow.now() - started).total_seconds(),
+            trainer_wait=trainer_wait,
+            rollout_busy_seconds=self._rollout_busy_seconds,
+            staleness=staleness,
+        )
         self._rollout_busy_seconds = 0.0
-        checkpoint_due = bool(plan.checkpoint_every and state.next_step % plan.checkpoint_every == 0)
-        eval_due = bool(plan.evaluate and plan.eval_every and state.next_step % plan.eval_every == 0)
+        checkpoint_due = sched.checkpoint_due(plan, state.next_step)
+        eval_due = sched.eval_due(plan, state.next_step)
         if not (checkpoint_due or eval_due):
             # Nothing here needs the trainer to wait: the metrics line is written while the
             # next step starts (in step order), which keeps a workflow task off its path.

@@ -8,7 +8,10 @@ continue-as-new, failing instead of hanging), which needs no Ray, no torch and n
 the activities themselves are tested against the real workers elsewhere.
 
     standins = StandIns(fail={"train": ApplicationError("boom", non_retryable=True)})
-    result = asyncio.run(run_training(standins, training_input("r1", plan())))
+    result = run_training(standins, training_input("r1", plan()))
+
+Tests that run many workflows share one dev server (`dev_server`) and give each run its own
+worker and task queue (`run_on`); `log` then tells the order activities started and ended in.
 """
 
 from __future__ import annotations
@@ -35,12 +38,25 @@ TASK_QUEUE = "standins"
 
 class StandIns:
     """Activities under the workflow's names. `fail` maps a name to the exception it raises;
-    the names in `block` heartbeat until cancelled (`started[name]` is set when they begin)."""
+    the names in `block` heartbeat until cancelled (`started[name]` is set when they begin);
+    `delay` holds a name's answer back for so many seconds (to let other work overlap it);
+    `answers` replaces a name's answer (a function of its input). `calls` lists every call
+    in the order they started; `log` lists ("start" | "end", name, input) in order."""
 
-    def __init__(self, *, fail: dict[str, BaseException] | None = None, block: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        *,
+        fail: dict[str, BaseException] | None = None,
+        block: tuple[str, ...] = (),
+        delay: dict[str, float] | None = None,
+        answers: dict[str, Callable[[Any], Any]] | None = None,
+    ):
         self.fail = fail or {}
         self.block = block
+        self.delay = delay or {}
+        self.answers = answers or {}
         self.calls: list[tuple[str, Any]] = []
+        self.log: list[tuple[str, str, Any]] = []
         self.started: dict[str, asyncio.Event] = {}
 
     def count(self, name: str) -> int:
@@ -69,6 +85,7 @@ class StandIns:
             "finish_run": lambda i: t.FinishOutput(final_policy_uri="final"),
             "release_run": lambda i: t.ReleaseOutput(released=[f"{i.run_id}-trainer-0"]),
         }
+        answers.update(self.answers)
         return [self._activity(name, answer) for name, answer in answers.items()]
 
     def _activity(self, name: str, answer: Callable[[Any], Any]):
@@ -82,6 +99,7 @@ class StandIns:
 
         async def run(inp):
             self.calls.append((name, inp))
+            self.log.append(("start", name, inp))
             started.set()
             if name in self.fail:
                 raise self.fail[name]
@@ -89,7 +107,11 @@ class StandIns:
                 while True:  # until the workflow cancels it (delivered through the heartbeat)
                     activity.heartbeat()
                     await asyncio.sleep(0.1)
-            return answer(inp)
+            if name in self.delay:
+                await asyncio.sleep(self.delay[name])
+            out = answer(inp)
+            self.log.append(("end", name, inp))
+            return out
 
         run.__annotations__ = {"inp": arg_type, "return": Any}
         return activity.defn(name=name)(run)
@@ -105,25 +127,55 @@ def training_input(run_id: str, loop_plan: t.LoopPlan, **fields) -> t.TrainingIn
 
 
 @asynccontextmanager
-async def temporal_with(standins: StandIns):
-    """A dev server and a worker running the training workflow with `standins`."""
+async def dev_server():
+    """A Temporal dev server (in memory, no UI); yields its environment (`.client`)."""
     env = await WorkflowEnvironment.start_local(dev_server_existing_path=str(TEMPORAL), ui=False)
     try:
-        worker = Worker(
-            env.client,
-            task_queue=TASK_QUEUE,
-            workflows=[TrainingWorkflow],
-            activities=standins.activities(),
-            graceful_shutdown_timeout=timedelta(seconds=1),
-        )
-        async with worker:
-            yield env.client
+        yield env
     finally:
         await env.shutdown()
 
 
-async def start(client: Client, inp: t.TrainingInput) -> WorkflowHandle:
-    return await client.start_workflow("TrainingWorkflow", inp, id=inp.run_id, task_queue=TASK_QUEUE, result_type=t.RunSummary)
+def worker_for(client: Client, standins: StandIns, task_queue: str = TASK_QUEUE) -> Worker:
+    """A worker running the real training workflow with `standins` as its activities."""
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=[TrainingWorkflow],
+        activities=standins.activities(),
+        graceful_shutdown_timeout=timedelta(seconds=1),
+    )
+
+
+@asynccontextmanager
+async def temporal_with(standins: StandIns):
+    """A dev server and a worker running the training workflow with `standins`."""
+    async with dev_server() as env:
+        async with worker_for(env.client, standins):
+            yield env.client
+
+
+async def start(client: Client, inp: t.TrainingInput, task_queue: str = TASK_QUEUE) -> WorkflowHandle:
+    return await client.start_workflow("TrainingWorkflow", inp, id=inp.run_id, task_queue=task_queue, result_type=t.RunSummary)
+
+
+async def run_on(
+    client: Client,
+    standins: StandIns,
+    inp: t.TrainingInput,
+    during: Callable[[WorkflowHandle], Awaitable[None]] | None = None,
+    *,
+    limit_s: float = 60.0,
+) -> t.RunSummary:
+    """Run the workflow to its end on a server already running, with a worker of its own
+    (task queue named after the run); its summary (a failed run raises). `during` and
+    `limit_s` as in `run_training`."""
+    queue = f"{TASK_QUEUE}-{inp.run_id}"
+    async with worker_for(client, standins, queue):
+        handle = await start(client, inp, queue)
+        if during is not None:
+            await during(handle)
+        return await asyncio.wait_for(handle.result(), limit_s)
 
 
 def run_training(
