@@ -365,15 +365,19 @@ def test_config_error_survives_pickling() -> None:
 
 
 def test_importing_config_does_not_import_torch() -> None:
-    """Nor does validating one: the client and CLI check algorithm names and flags against
-    the torch-free catalog (ratchet/algorithms/catalog.py)."""
+    """Nor does validating one: the client and CLI check algorithm names and flags, engine
+    names, storage schemes and loop modes against torch-free catalogs
+    (ratchet/algorithms/catalog.py, workers/engines/catalog.py, storage/schemes.py,
+    workflows/modes.py), and load none of the heavy libraries behind them."""
     example = Path(__file__).resolve().parents[1] / "examples" / "copy_grpo.yaml"
+    heavy = ("torch", "numpy", "transformers", "safetensors", "fsspec", "s3fs", "minio", "ray", "temporalio")
     code = textwrap.dedent(
         f"""\
         import sys
         import ratchet.config
-        if "torch" in sys.modules:
-            sys.exit("importing ratchet.config imported torch")
+        loaded = [name for name in {heavy!r} if name in sys.modules]
+        if loaded:
+            sys.exit(f"importing ratchet.config imported {{loaded}}")
         from ratchet.config import ConfigError, load_config
         assert not load_config({str(example)!r}, check_files=False).uses_critic
         overrides = ["algorithm.adv_estimator=gae", "algorithm.kl.type=k3+", "algorithm.off_policy.mode=tis",
@@ -385,8 +389,18 @@ def test_importing_config_does_not_import_torch() -> None:
             assert "rollout.n must be >= 2" in str(err)
         else:
             raise AssertionError("rollout.n=1 with grpo was accepted")
-        if "torch" in sys.modules:
-            sys.exit("validating a config imported torch")
+        named = ["rollout.engine=hf", "storage.root=minio://bucket/runs", "loop.mode=fully_async"]
+        assert load_config({str(example)!r}, named, check_files=False).rollout.engine == "hf"
+        for override, fragment in [("rollout.engine=nope", "registered: hf"), ("storage.root=gs://b", "supported: a local folder")]:
+            try:
+                load_config({str(example)!r}, [override], check_files=False)
+            except ConfigError as err:
+                assert fragment in str(err), str(err)
+            else:
+                raise AssertionError(f"{{override}} was accepted")
+        loaded = [name for name in {heavy!r} if name in sys.modules]
+        if loaded:
+            sys.exit(f"validating a config imported {{loaded}}")
         """
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -14,8 +14,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-# The catalog (names and estimator flags) imports no torch, so validating a config does not either.
+# The catalogs (names and estimator flags, engines, storage schemes, loop modes) import no
+# torch, so validating a config does not either (tests/test_config.py checks it).
 from ratchet.algorithms.catalog import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
+from ratchet.storage import schemes
+from ratchet.workers.engines.catalog import ENGINES
+from ratchet.workflows.modes import LOOP_MODES
 
 # The per-step sampling seed is `(seed * 1_000_003 + step) * 101 + part` (workers/rollout.py;
 # `part` < algorithm.max_sampling_rounds). With these bounds it stays below 4.4e17, far under
@@ -78,7 +82,7 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf"] = Field("hf", description="Generation engine: hf (transformers).")
+    engine: str = Field("hf", description=f"Generation engine, by registered name: {', '.join(ENGINES.names())}.")
     n: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
@@ -89,6 +93,12 @@ class RolloutConfig(Section):
         "goes on with the new weights (each token records its version) instead of the sync waiting for it to finish. "
         "Off in a deterministic run, where the decode step a sync lands on would depend on timing.",
     )
+
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        return ENGINES.check(name)
 
 
 class RewardConfig(Section):
@@ -206,11 +216,13 @@ class WarmupConfig(Section):
     batch_size: int = Field(64, ge=1, description="Warm-up batch size (prompt-answer pairs).")
 
 
+# A Literal built from the table: its error lists the modes, and `ratchet schema` shows them.
+LoopModeName = Literal[tuple(LOOP_MODES)]  # type: ignore[valid-type]
+
+
 class LoopConfig(Section):
-    mode: Literal["sync", "one_step_off", "fully_async"] = Field(
-        "sync",
-        description="sync: rollout, score, train, sync in order. one_step_off: batch n+1 is generated (weights of "
-        "step n) while step n trains. fully_async: rollouts run ahead of the trainer, within max_staleness.",
+    mode: LoopModeName = Field(
+        "sync", description=" ".join(f"{name}: {mode.description}" for name, mode in LOOP_MODES.items())
     )
     max_staleness: int = Field(1, ge=0, description="fully_async: most policy versions a sample may lag when trained on; staler batches are dropped and their prompts redone.")
     queue_limit: int = Field(2, ge=1, description="fully_async: most batches generated ahead of the trainer (in flight + ready).")
@@ -240,23 +252,24 @@ class CheckpointConfig(Section):
     keep_every: int = Field(0, ge=0, description="...and every checkpoint whose step is a multiple of this (0: none).")
 
 
-STORAGE_SCHEMES = ("file", "s3", "s3a", "minio", "memory")
 _URL_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: C: is a Windows drive
 
 
 class StorageConfig(Section):
     root: str = Field(
         ".ratchet/runs",
-        description="Local folder, or object-store URL (file://, s3://bucket/prefix, minio://bucket/prefix, memory://), "
-        "under which each run gets a folder.",
+        description="Local folder, or object-store URL, under which each run gets a folder: "
+        + "; ".join(f"{name}://{'bucket/prefix' if s.needs_bucket else ''} {s.description}" for name, s in schemes.SCHEMES.items())
+        + ".",
     )
 
     @field_validator("root")
     @classmethod
     def _known_scheme(cls, root: str) -> str:
         """Any other fsspec protocol (or a `s3:/` typo read as a local folder) would fail, or
-        write somewhere unexpected, only once the workers start."""
-        supported = "a local folder, " + ", ".join(f"{s}://" for s in STORAGE_SCHEMES)
+        write somewhere unexpected, only once the workers start. The schemes, and which need a
+        bucket, come from the storage layer's table (ratchet/storage/schemes.py)."""
+        supported = schemes.supported()
         if not root.strip():
             raise ValueError(f"empty; set {supported}")
         match = _URL_PREFIX.match(root)
@@ -264,11 +277,8 @@ class StorageConfig(Section):
             raise ValueError(f"{root!r} is not a URL ratchet supports; use {supported}")
         if match is None:
             return root
-        scheme = match.group(1).lower()
-        if scheme not in STORAGE_SCHEMES:
-            raise ValueError(f"unknown storage scheme {scheme + '://'!r} in {root!r}; supported: {supported}")
-        if scheme in ("s3", "s3a", "minio") and not root.split("://", 1)[1].strip("/"):
-            raise ValueError(f"{root!r} names no bucket; use {scheme}://bucket[/prefix]")
+        if schemes.lookup(root).needs_bucket and not root.split("://", 1)[1].strip("/"):
+            raise ValueError(f"{root!r} names no bucket; use {schemes.scheme_of(root)}://bucket[/prefix]")
         return root
 
 

@@ -1,20 +1,31 @@
 """Object storage: a store over local folders, S3 and MinIO, and the batch, metrics and
-checkpoint stores on top of it."""
+checkpoint stores on top of it.
 
-from .batch_store import BatchStore
-from .checkpoint_store import CheckpointInfo, CheckpointStore, CorruptCheckpoint
-from .keys import UnsafeKey
-from .metrics_log import MetricsLog
-from .object_store import ObjectStore, StoreUnavailable, Transfer
+The supported URL schemes are listed in `schemes.py`: that is where a backend is added.
+The names below are imported on first use, so importing `ratchet.storage.schemes` (as the
+config schema does) loads neither torch (batch_store) nor fsspec and the S3 clients.
+"""
 
-__all__ = [
-    "BatchStore",
-    "CheckpointInfo",
-    "CheckpointStore",
-    "CorruptCheckpoint",
-    "MetricsLog",
-    "ObjectStore",
-    "StoreUnavailable",
-    "Transfer",
-    "UnsafeKey",
-]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ratchet.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .batch_store import BatchStore
+    from .checkpoint_store import CheckpointInfo, CheckpointStore, CorruptCheckpoint
+    from .keys import UnsafeKey
+    from .metrics_log import MetricsLog
+    from .object_store import ObjectStore, StoreUnavailable, Transfer
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "batch_store": ("BatchStore",),
+        "checkpoint_store": ("CheckpointInfo", "CheckpointStore", "CorruptCheckpoint"),
+        "keys": ("UnsafeKey",),
+        "metrics_log": ("MetricsLog",),
+        "object_store": ("ObjectStore", "StoreUnavailable", "Transfer"),
+    },
+)

@@ -1,7 +1,7 @@
 """The storage backends behind `ObjectStore`, and what they share.
 
 `ObjectStore` keeps its one-argument constructor (`ObjectStore(url)`) and picks a backend
-from the URL scheme; callers never see which one. A backend does single attempts on full
+from the URL scheme (the table in `schemes.py`); callers never see which one. A backend does single attempts on full
 paths (`bucket/prefix/key`, or a local path); `ObjectStore` adds retries, key mapping and
 checksums on top, so each backend stays a thin translation to its client library.
 
@@ -522,6 +522,25 @@ class FsspecBackend:
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                 out.append(f"{bucket}/{upload['Key']}")
         return out
+
+
+# --------------------------------------------------------------------------- openers
+# What `schemes.SCHEMES` names: fn(url, *, part_size, concurrency) -> (backend, root path).
+
+
+def open_fsspec(url: str, *, part_size: int, concurrency: int) -> tuple[FsspecBackend, str]:
+    """file://, plain paths, s3:// and s3a:// (s3fs), memory://: through fsspec."""
+    return FsspecBackend.for_url(url, part_size=part_size, concurrency=concurrency)
+
+
+def open_minio(url: str, *, part_size: int, concurrency: int) -> tuple[Backend, str]:
+    """minio://bucket[/prefix]: through the minio client (imported only for such a store)."""
+    from .minio_backend import MinioBackend
+
+    path = url.split("://", 1)[1]
+    if not path.strip("/"):
+        raise ValueError(f"{url}: a minio URL needs a bucket: minio://bucket[/prefix]")
+    return MinioBackend(url, part_size=part_size, concurrency=concurrency), path
 
 
 def _s3_filesystem(url: str) -> fsspec.AbstractFileSystem:

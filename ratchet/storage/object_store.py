@@ -1,9 +1,10 @@
 """A small key-value view of object storage, rooted at a URL.
 
 `ObjectStore(url)` works with local folders (plain paths or `file://`), `s3://bucket/prefix`
-(s3fs), `minio://bucket/prefix` (the minio client) and any other fsspec protocol
-(`memory://` in tests). The backend is chosen from the URL; callers only ever pass the URL,
-and endpoints and credentials come from the environment (see `backends.py`).
+(s3fs), `minio://bucket/prefix` (the minio client) and `memory://` (tests). The backend is
+chosen from the URL's scheme by the table in `schemes.py` (where a backend is added);
+callers only ever pass the URL, and endpoints and credentials come from the environment
+(see `backends.py`).
 
 Writes are atomic: a local folder writes a temporary key and moves it into place, S3 relies
 on PUT and multipart completion being atomic. A reader never sees a half-written object
@@ -36,8 +37,9 @@ import tenacity
 
 from ratchet.ids import check_id
 
+from . import schemes
 from .backends import (
-    Backend, FsspecBackend, StorageConfigError, contains_secret, fsync_dir, fsync_file, is_transient, missing_credentials, redact,
+    Backend, StorageConfigError, contains_secret, fsync_dir, fsync_file, is_transient, missing_credentials, redact,
 )  # fmt: skip
 from .keys import check_key
 
@@ -141,15 +143,7 @@ class ObjectStore:
         self.retry_max_s = retry_max_s
         self.part_size = part_size
         self._backend: Backend
-        if root.startswith("minio://"):
-            from .minio_backend import MinioBackend
-
-            path = root[len("minio://") :]
-            if not path.strip("/"):
-                raise ValueError(f"{root}: a minio URL needs a bucket: minio://bucket[/prefix]")
-            self._backend = MinioBackend(root, part_size=part_size, concurrency=max_concurrency)
-        else:
-            self._backend, path = FsspecBackend.for_url(root, part_size=part_size, concurrency=max_concurrency)
+        self._backend, path = schemes.lookup(root).open(root, part_size=part_size, concurrency=max_concurrency)
         self.root = path.rstrip("/")
         self.protocol = self._backend.protocol
 

@@ -17,7 +17,7 @@ from ratchet.tasks.loading import load_reward_fn
 
 from .batch import ScoredStep
 from .critic import CriticTrainer
-from .engines import HFEngine, SamplingParams
+from .engines import ENGINES, SamplingParams
 from .policy_update import PolicyTrainer
 from .prompts import PromptSet
 from .rollout_batching import generate_batch, prompt_indices
@@ -30,7 +30,7 @@ class LocalLoop:
         configure_worker_process(cfg.resources.torch_threads)
         path = policy_path or cfg.model.path
         self.cfg = cfg
-        self.engine = HFEngine(path, dtype=cfg.model.dtype)
+        self.engine = ENGINES.get(cfg.rollout.engine)(path, dtype=cfg.model.dtype)
         self.trainer = PolicyTrainer(path, cfg)
         self.critic = CriticTrainer(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})) if cfg.uses_critic else None
         d = cfg.data

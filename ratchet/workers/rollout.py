@@ -44,7 +44,7 @@ class RolloutWorker:
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg = cfg
         self.policy_path = local_hf_path(policy_path)
-        self.engine = ENGINES[cfg.rollout.engine](self.policy_path, dtype=cfg.model.dtype)
+        self.engine = ENGINES.get(cfg.rollout.engine)(self.policy_path, dtype=cfg.model.dtype)
         tok = self.engine.tokenizer
         d = cfg.data
         self.train = PromptSet(d.train_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length)

@@ -1,8 +1,23 @@
-"""Generation engines behind one protocol; pick one with `rollout.engine`."""
+"""Generation engines behind one protocol (`base.Engine`); pick one with `rollout.engine`.
 
-from .base import Engine, Generation, SamplingParams, WeightSwap
-from .hf import HFEngine
+The engines a config can name are listed in `catalog.py`: that is where one is added. This
+package imports no torch itself: the engine classes are imported on first use, so the
+config schema can read the catalog without loading torch or transformers.
+"""
 
-ENGINES = {"hf": HFEngine}
+from __future__ import annotations
 
-__all__ = ["ENGINES", "Engine", "Generation", "HFEngine", "SamplingParams", "WeightSwap"]
+from typing import TYPE_CHECKING
+
+from ratchet.lazy import lazy_exports
+
+from .catalog import ENGINES
+
+if TYPE_CHECKING:
+    from .base import Engine, Generation, SamplingParams, WeightSwap
+    from .hf import HFEngine
+
+_LAZY, __getattr__, __dir__ = lazy_exports(
+    __name__, {"base": ("Engine", "Generation", "SamplingParams", "WeightSwap"), "hf": ("HFEngine",)}
+)
+__all__ = sorted(["ENGINES", *_LAZY])

@@ -1,11 +1,15 @@
-"""The contract every generation engine (transformers, vLLM, SGLang) fulfils."""
+"""The contract every generation engine (transformers, vLLM, SGLang) fulfils.
+
+Engines are listed in `catalog.py`; this module imports neither torch nor numpy at run time.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -36,8 +40,20 @@ WeightSwap = Callable[[], "int | None"]
 
 
 class Engine(Protocol):
+    """Built as `cls(model_path, *, dtype)` (catalog.py): `model_path` a local Hugging Face
+    model folder (weights and tokenizer), `dtype` one of `model.dtype`'s values."""
+
     # True when `generate` honours `weight_swap` (weights can change between decode steps).
     supports_partial_rollout: bool
+
+    # The Hugging Face tokenizer of the served model (a `PreTrainedTokenizerBase`): `PromptSet`
+    # encodes the prompts with its chat template and reward scoring decodes responses with it,
+    # so the token ids given to and returned by `generate` must be this tokenizer's.
+    tokenizer: Any
+
+    # The id that pads prompts and responses to a rectangle in a `RolloutBatch`
+    # (rollout_batching.generate_batch); never counted, the masks exclude it.
+    pad_id: int
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, version: int = 0, weight_swap: WeightSwap | None = None

@@ -1,0 +1,82 @@
+"""Every storage URL scheme ratchet supports, in one table: where a storage backend is added.
+
+`ObjectStore(url)` picks its backend here from the URL's scheme (a plain path is a local
+folder, `file`), and the config schema accepts `storage.root` only with a scheme listed
+here, naming them all when it refuses one.
+
+To add a backend (say `gs://`): write a class that fulfils `backends.Backend` (single
+attempts on full paths; atomic writes; FileNotFoundError for a missing object), and a
+function `open_x(url, *, part_size, concurrency) -> (backend, root path)` next to
+`open_fsspec` in backends.py; add its line below; run tests/test_storage.py's store tests
+against it (they take a store) and add a line to tests/test_registries.py's table check.
+
+This module imports nothing outside the standard library: an entry names its opener as
+"module:function", imported when a store is opened, so the config schema reads the table
+without loading fsspec, the S3 clients or torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+LOCAL = "file"  # the scheme of a plain path
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")  # two letters at least: C: is a Windows drive
+
+
+@dataclass(frozen=True)
+class Scheme:
+    opener: str  # "module:function": fn(url, *, part_size, concurrency) -> (Backend, root path)
+    description: str
+    needs_bucket: bool = False  # the URL must name a bucket: scheme://bucket[/prefix]
+
+    @property
+    def open(self) -> Callable[..., tuple[Any, str]]:
+        return _load(self.opener)
+
+
+_FSSPEC = "ratchet.storage.backends:open_fsspec"
+SCHEMES: dict[str, Scheme] = {
+    "file": Scheme(_FSSPEC, "a local folder (a plain path works too)"),
+    "s3": Scheme(_FSSPEC, "S3 or any S3-protocol server, through s3fs (endpoint and keys from AWS_* variables)", needs_bucket=True),
+    "s3a": Scheme(_FSSPEC, "the same as s3://", needs_bucket=True),
+    "minio": Scheme(
+        "ratchet.storage.backends:open_minio", "any S3-protocol server, through the minio client (AWS_* variables)", needs_bucket=True
+    ),
+    "memory": Scheme(_FSSPEC, "fsspec's in-process memory filesystem, for tests"),
+}
+
+
+class UnknownScheme(ValueError):
+    """A storage URL whose scheme is not in `SCHEMES`."""
+
+    def __init__(self, scheme: str, url: str):
+        super().__init__(f"unknown storage scheme {scheme + '://'!r} in {url!r}; supported: {supported()}")
+
+
+def supported() -> str:
+    """The accepted forms, for error messages: 'a local folder, file://, s3://, ...'."""
+    return "a local folder, " + ", ".join(f"{name}://" for name in SCHEMES)
+
+
+def scheme_of(url: str) -> str:
+    """The lower-cased scheme of `url` ("file" for a plain path)."""
+    match = _SCHEME.match(url)
+    return match.group(1).lower() if match else LOCAL
+
+
+def lookup(url: str) -> Scheme:
+    """The table entry for `url`'s scheme; UnknownScheme (naming the supported ones) if none."""
+    scheme = scheme_of(url)
+    if scheme not in SCHEMES:
+        raise UnknownScheme(scheme, url)
+    return SCHEMES[scheme]
+
+
+@functools.cache
+def _load(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,180 @@
+"""The extension points' registries: rollout engines, storage schemes, loop modes.
+
+Each is one torch-free table that both the config schema and the code that builds the
+thing read, so an entry added there is accepted by `load_config` and used by the workers;
+these tests add one (and take it out again) to show that no second place needs an edit.
+The advantage-estimator catalog has its own check in tests/test_algorithms.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ratchet.config.schema import RunConfig
+from ratchet.storage import ObjectStore, schemes
+from ratchet.storage.backends import FsspecBackend, open_fsspec
+from ratchet.tasks.generate import write_task_parquet
+from ratchet.workers.engines import ENGINES, Engine, HFEngine
+from ratchet.workflows.modes import LOOP_MODES
+
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from ratchet.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def copy_data(tmp_path_factory) -> Path:
+    return write_task_parquet(tmp_path_factory.mktemp("data") / "copy.parquet", "copy", 8, seed=0, min_len=3, max_len=3)
+
+
+def make_cfg(model: Path, data: Path, root: Path | str, **rollout) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "model": {"path": str(model)},
+            "data": {"train_files": str(data)},
+            "rollout": {"n": 2, "max_response_length": 4, **rollout},
+            "loop": {"prompts_per_step": 2},
+            "trainer": {"micro_batch_size": 4},
+            "storage": {"root": str(root)},
+        }
+    )
+
+
+# --------------------------------------------------------------------------- rollout engines
+
+
+class CountingEngine(HFEngine):
+    """The HF engine under another name; counts how often the registry built it."""
+
+    built = 0
+
+    def __init__(self, model_path: str, *, dtype: str = "float32"):
+        super().__init__(model_path, dtype=dtype)
+        type(self).built += 1
+
+
+@pytest.fixture
+def counting_engine():
+    ENGINES.register("counting", CountingEngine)
+    CountingEngine.built = 0
+    yield "counting"
+    del ENGINES.entries["counting"]
+
+
+def protocol_members(protocol: type) -> set[str]:
+    """The attributes and methods a Protocol class declares (its own, not `object`'s)."""
+    declared = set(getattr(protocol, "__annotations__", {}))
+    declared |= {name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name.startswith("_")}
+    return declared
+
+
+def test_engine_protocol_declares_what_the_rollout_uses():
+    """rollout.py and local_loop.py read `tokenizer` and `pad_id` from an engine."""
+    assert {"generate", "load_weights", "supports_partial_rollout", "tokenizer", "pad_id"} <= protocol_members(Engine)
+
+
+def test_every_engine_entry_imports_and_fulfils_the_protocol(tiny_model):
+    assert ENGINES.names() == ["hf"]
+    for name in ENGINES.names():
+        engine = ENGINES.get(name)(str(tiny_model), dtype="float32")
+        missing = [member for member in protocol_members(Engine) if not hasattr(engine, member)]
+        assert not missing, f"engine {name!r} lacks {missing} of the Engine protocol (workers/engines/base.py)"
+        assert isinstance(engine.pad_id, int)
+        assert engine.tokenizer.decode(engine.tokenizer.encode("12")).strip() == "12"
+
+
+def test_schema_accepts_exactly_the_registered_engines(tiny_model, copy_data, tmp_path, counting_engine):
+    assert make_cfg(tiny_model, copy_data, tmp_path, engine=counting_engine).rollout.engine == counting_engine
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'vllm'; registered: counting, hf"):
+        make_cfg(tiny_model, copy_data, tmp_path, engine="vllm")
+
+
+def test_rollout_worker_and_local_loop_build_the_configured_engine(tiny_model, copy_data, tmp_path, counting_engine):
+    from ratchet.workers.local_loop import LocalLoop
+    from ratchet.workers.rollout import RolloutWorker
+
+    cfg = make_cfg(tiny_model, copy_data, tmp_path, engine=counting_engine)
+    assert isinstance(RolloutWorker(cfg, str(tiny_model), str(tmp_path)).engine, CountingEngine)
+    loop = LocalLoop(cfg)
+    assert isinstance(loop.engine, CountingEngine) and CountingEngine.built == 2
+    metrics = loop.step(0)  # the loop works through the protocol alone
+    assert 0.0 <= metrics["reward_mean"] <= 1.0
+
+
+# --------------------------------------------------------------------------- storage schemes
+
+
+def test_every_scheme_opener_imports():
+    for name, scheme in schemes.SCHEMES.items():
+        assert callable(scheme.open), name
+    assert list(schemes.SCHEMES)[:2] == ["file", "s3"]  # the order error messages list them in
+
+
+@pytest.mark.parametrize(
+    ("url", "scheme"),
+    [("runs", "file"), ("/abs/runs", "file"), ("file:///abs", "file"), ("S3://b/p", "s3"), ("minio://b", "minio"),
+     ("memory://x", "memory"), ("runs/a://b", "file"), ("C:/runs", "file")],
+)  # fmt: skip
+def test_scheme_of_a_url(url, scheme):
+    assert schemes.scheme_of(url) == scheme
+
+
+def test_object_store_refuses_a_scheme_not_in_the_table():
+    with pytest.raises(schemes.UnknownScheme, match=r"unknown storage scheme 'gs://' in 'gs://b/runs'; supported: a local folder, file://"):
+        ObjectStore("gs://b/runs")
+
+
+def test_a_scheme_added_to_the_table_is_used_by_the_store_and_accepted_by_the_schema(tiny_model, copy_data):
+    """The table is the one place: a new scheme (here fsspec's memory filesystem under
+    another name, opened through a function of this module) reaches both."""
+    opened = []
+    schemes.SCHEMES["testmem"] = schemes.Scheme(f"{__name__}:_open_testmem", "a test scheme", needs_bucket=True)
+    globals()["_open_testmem"] = lambda url, **kw: (opened.append(url), open_fsspec("memory://" + url.split("://", 1)[1], **kw))[1]
+    try:
+        store = ObjectStore("testmem://bucket/runs")
+        assert isinstance(store._backend, FsspecBackend) and opened == ["testmem://bucket/runs"]
+        store.put_bytes("a/b", b"x")
+        assert store.get_bytes("a/b") == b"x"
+        assert make_cfg(tiny_model, copy_data, "testmem://bucket/runs").storage.root == "testmem://bucket/runs"
+        with pytest.raises(ValueError, match="names no bucket; use testmem://bucket"):
+            make_cfg(tiny_model, copy_data, "testmem://")
+    finally:
+        del schemes.SCHEMES["testmem"]
+        globals().pop("_open_testmem")
+        schemes._load.cache_clear()
+
+
+# --------------------------------------------------------------------------- loop modes
+
+
+def test_schema_loop_modes_are_the_table():
+    from ratchet.config.schema import LoopConfig
+
+    assert list(LoopConfig.model_fields["mode"].annotation.__args__) == list(LOOP_MODES)
+
+
+def test_workflow_has_a_loop_method_for_each_mode_and_no_other():
+    from ratchet.workflows.training import TrainingWorkflow
+
+    loops = {name for name, fn in vars(TrainingWorkflow).items() if name.endswith("_loop") and inspect.iscoroutinefunction(fn)}
+    assert loops == {mode.method for mode in LOOP_MODES.values()}, "workflows/modes.py LOOP_MODES and TrainingWorkflow's loops differ"
+
+
+def test_workflow_dispatches_through_the_table():
+    from ratchet.workflows import training
+
+    assert "LOOP_MODES[" in inspect.getsource(training.TrainingWorkflow._run), (
+        "TrainingWorkflow._run still picks its loop from its own dict; apply the issue-11 change: "
+        "`loop = getattr(self, LOOP_MODES[plan.mode].method)` (and import LOOP_MODES from ratchet.workflows.modes)"
+    )
