@@ -20,6 +20,7 @@ from datetime import timedelta
 from ratchet.types import TASK_QUEUE
 
 from .services import ServiceSettings, ray_address, ray_auth_env, temporal_address
+from .services.ray_auth import record_applied
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ def _apply_ray_auth(auth_env: dict[str, str]) -> None:
     if not changed:
         return
     os.environ.update(changed)
+    record_applied(os.environ, changed)
     if "ray" in sys.modules:
         from ray._raylet import AuthenticationTokenLoader, Config
 

@@ -239,6 +239,11 @@ def test_ray_auth_env_gives_the_path_and_lets_the_user_win(state):
     assert path.read_text() not in json.dumps(mine)
     theirs = svc.ray_auth_env(state, environ={"RAY_AUTH_TOKEN_PATH": "/elsewhere/token"})
     assert theirs == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/elsewhere/token"}
+    # Variables ratchet set itself to join another head (a driver of two clusters, a test
+    # process) are not the user's choice: this head still gets its own token.
+    joined = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/other-head/token"}
+    ray_auth.record_applied(joined, ["RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"])
+    assert svc.ray_auth_env(state, environ=joined) == mine
 
 
 def test_status_down_and_drivers_with_a_state_file_from_before_token_auth(state):

@@ -15,10 +15,20 @@ from .state import recorded
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RAY_AUTH_VARS", "ensure_token", "head_auth", "ray_auth_env", "ray_token_path", "user_ray_auth"]
+__all__ = ["APPLIED_VAR", "RAY_AUTH_VARS", "ensure_token", "record_applied", "head_auth", "ray_auth_env", "ray_token_path", "user_ray_auth"]
 
 # The variables through which Ray learns its authentication mode and token.
 RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+# Names of the RAY_AUTH_* variables that ratchet itself put into this process's
+# environment to join a head (`record_applied`): they are not the user's choice, so a
+# later `up()` of another head in the same process must not take them for one.
+APPLIED_VAR = "RATCHET_RAY_AUTH_APPLIED"
+
+
+def record_applied(environ: Any, names: Any) -> None:
+    """Note that ratchet set `names` (RAY_AUTH_* variables) in `environ`."""
+    applied = set(filter(None, environ.get(APPLIED_VAR, "").split(","))) | set(names)
+    environ[APPLIED_VAR] = ",".join(sorted(applied))
 
 
 def ray_token_path(settings: ServiceSettings) -> Path:
@@ -28,7 +38,8 @@ def ray_token_path(settings: ServiceSettings) -> Path:
 
 def user_ray_auth(environ: Any) -> dict[str, str]:
     """The RAY_AUTH_* variables the user set; they win over ratchet's own token."""
-    return {k: environ[k] for k in RAY_AUTH_VARS if environ.get(k)}
+    ours = set(environ.get(APPLIED_VAR, "").split(","))
+    return {k: environ[k] for k in RAY_AUTH_VARS if environ.get(k) and k not in ours}
 
 
 def ray_auth_env(settings: ServiceSettings, environ: Any = None) -> dict[str, str]:
