@@ -1,5 +1,11 @@
-"""The asynchronous loop modes through the real workflow: bounded staleness, every prompt
-exactly once, and pause / resume / stop at step boundaries."""
+"""The asynchronous loop modes through the real workflow, Ray and torch: bounded staleness
+measured on the tokens themselves, every prompt exactly once, and pause / resume / stop
+through the client.
+
+The scheduling of every mode (ordering, staleness and queue bounds, pause and stop in
+each mode, one_step_off's overlap) is covered in seconds by tests/test_loop_modes.py with
+stand-in activities; what stays here is what stand-ins cannot show: the version of each
+generated token, the trainer's staleness histogram, and a real export after a stop."""
 
 from __future__ import annotations
 
@@ -19,7 +25,6 @@ pytestmark = pytest.mark.integration
 PROMPTS, N = 4, 4
 FAST = ["warmup.steps=2", "data.eval_files=null", f"loop.prompts_per_step={PROMPTS}", f"rollout.n={N}"]
 MODES = {
-    "one_step_off": ["loop.mode=one_step_off", "algorithm.off_policy.mode=decoupled"],
     "fully_async": ["loop.mode=fully_async", "loop.max_staleness=1", "loop.queue_limit=2", "algorithm.off_policy.mode=tis"],
     "fully_async_stale2": ["loop.mode=fully_async", "loop.max_staleness=2", "loop.queue_limit=3", "loop.sync_every=2"],
     # Whole rollouts: the sync waits for the generation in flight (the rollout lock).
@@ -65,8 +70,6 @@ def test_staleness_bound_and_prompts_exactly_once(platform, mode):
         assert abs(sum(hist.values()) - 1.0) < 1e-6
         trained_prompts += torch.unique(batch.prompt_index).tolist()
     assert sorted(trained_prompts) == list(range(steps * PROMPTS)), "every prompt trained on exactly once"
-    if mode == "one_step_off":
-        assert all(r["staleness"] == 1 for r in lines[1:])  # batch n+1 came from step n's weights
     # The producer starts a batch only if it will be fresh enough when trained (counting the
     # batch being trained): in steady state nothing is generated just to be dropped.
     assert summary.dropped_samples == 0
@@ -82,7 +85,7 @@ def wait_for(predicate, timeout: float = 120.0, every: float = 0.2):
     raise AssertionError("condition not reached in time")
 
 
-@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
+@pytest.mark.parametrize("mode", ["fully_async"])
 def test_pause_resume_stop(platform, mode):
     handle = platform.client.submit(
         RECIPE_PATH, platform.overrides(*FAST, f"loop.mode={mode}", "loop.steps=200", f"tracking.name=ctl-{mode.replace('_', '-')}")
