@@ -168,12 +168,6 @@ async def test_deterministic_fully_async_generates_each_batch_with_its_scheduled
     assert [i.policy_version - i.batch.policy_version for i in standins.args("train")] == [0, 1, 2, 1, 2, 1, 2, 1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: after an update the workflow syncs before it counts the step (next_step moves in "
-    "_record), so for the length of the sync may_start sees one batch fewer and starts one past the "
-    "last step; it is generated, scored and left in `ready` at the end of the run",
-)
 async def test_fully_async_generates_no_batch_past_the_last_step(client):
     steps = 4
     standins = StandIns()
@@ -281,12 +275,6 @@ async def test_fully_async_drops_a_too_stale_batch_and_redoes_its_prompts(client
     assert [r.metrics["dropped_samples"] for r in standins.args("record_step")] == [4.0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: a dropped batch re-queues only its first round's prompts (fully_async loop: "
-    "retry_prompts.append(rounds[0].batch.prompt_start)); with dynamic sampling the later rounds' "
-    "prompt ranges are never trained",
-)
 async def test_fully_async_redoes_every_round_of_a_dropped_batch(client):
     def score(i: t.ScoreInput) -> t.ScoreOutput:
         return t.ScoreOutput(0.0, 0.0, 0.0, informative_groups=0)  # always both rounds

@@ -54,12 +54,15 @@ def generating_version(plan: LoopPlan, state: RunState, index: int) -> int:
 # -- fully_async: the producer and the trainer -----------------------------------------
 
 
-def may_start(plan: LoopPlan, state: RunState, *, in_flight: int, training: bool) -> bool:
+def may_start(plan: LoopPlan, state: RunState, *, in_flight: int, training: bool, trained_unrecorded: bool = False) -> bool:
     """fully_async: may the producer start batch `state.next_batch` now? `in_flight`
-    batches are being generated and one is being trained if `training`."""
+    batches are being generated, one is being trained if `training`, and one was trained
+    but its step not yet counted (`state.next_step` moves when it is recorded, after the
+    weight sync) if `trained_unrecorded`."""
     # Every batch ahead of a new one (training, ready, in flight) adds a version first.
     ahead = len(state.ready) + in_flight + int(training)
-    total_batches = state.next_step + ahead
+    # A trained, unrecorded batch adds no version any more, but it is one of the run's steps.
+    total_batches = state.next_step + int(trained_unrecorded) + ahead
     if not (ahead < plan.queue_limit and total_batches < plan.steps):
         return False
     if plan.deterministic:

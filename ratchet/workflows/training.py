@@ -131,6 +131,7 @@ class TrainingWorkflow:
         self._rollout_busy_seconds = 0.0  # generation seconds since the last recorded step
         self._stopping_producer = False  # fully_async: the trainer is done, stop producing
         self._training = False  # fully_async: an update is running
+        self._trained_unrecorded = False  # fully_async: updated, its step not counted yet
         self._recording: asyncio.Future | None = None  # the latest step's metrics line, being written
 
     # -- signals and queries -------------------------------------------------------------
@@ -328,11 +329,11 @@ class TrainingWorkflow:
                 if staleness > plan.max_staleness:
                     # Never trained on silently: counted, and its prompts are rolled out again.
                     state.dropped_samples += sched.num_samples(rounds)
-                    state.retry_prompts.append(rounds[0].batch.prompt_start)
+                    state.retry_prompts.extend(r.batch.prompt_start for r in rounds)
                     continue
                 self._training = True
                 trained = await self._train(state, rounds)
-                self._training = False
+                self._training, self._trained_unrecorded = False, True
                 updates_since_sync += 1
                 synced = None
                 if sched.sync_due(plan, state.policy_version, updates_since_sync):
@@ -359,7 +360,9 @@ class TrainingWorkflow:
         """fully_async: keep rollouts going while staleness and the queue allow."""
 
         def may_start() -> bool:
-            return sched.may_start(plan, state, in_flight=len(self._in_flight), training=self._training)
+            return sched.may_start(
+                plan, state, in_flight=len(self._in_flight), training=self._training, trained_unrecorded=self._trained_unrecorded
+            )
 
         # A batch is scored while the next one is generated: the reward worker does not
         # need the rollout engine. Batches still enter `ready` in order.
@@ -524,6 +527,7 @@ class TrainingWorkflow:
         step = state.next_step
         state.record_reward(sched.reward_mean(rounds))
         state.next_step = step + 1
+        self._trained_unrecorded = False
         self._tokens_per_second = sched.tokens_per_second(rounds)
         metrics = sched.step_metrics(
             state,
