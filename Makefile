@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-fast venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25
+
+# Everything that starts no Ray: unit tests, bad input, storage on the S3 server, the
+# loop modes on a Temporal dev server with stand-in activities.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x -p no:cacheprovider -m "not integration"
 
 clean:
 	rm -rf $(VENV) .ratchet

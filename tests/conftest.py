@@ -10,12 +10,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from ratchet.platform.services import free_ports
 
-torch.set_num_threads(1)
+# One thread per process on these small machines (two thrash); torch reads these when it
+# is imported, so tests that need no torch (the scheduling and loop-mode tests) do not
+# load it here.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Fixtures that start real services with Ray (the platform, the chaos and S3 platforms,
+# `ratchet up` itself): every test that uses one is an integration test, so that
+# `make test-fast` (-m "not integration") runs the rest in a few minutes.
+_RAY_FIXTURES = {"platform", "chaos", "s3_platform", "running", "ray_driver"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if _RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
