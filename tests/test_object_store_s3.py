@@ -15,7 +15,7 @@ import traceback
 import pytest
 
 from ratchet.storage import ObjectStore, StoreUnavailable
-from ratchet.storage.backends import StorageConfigError
+from ratchet.storage.s3_env import StorageConfigError
 from tests.s3_server import ACCESS_KEY, SECRET_KEY, moto_server, s3_env, store_url  # noqa: F401
 
 MiB = 1 << 20

@@ -17,7 +17,7 @@ import torch
 
 from ratchet.config.schema import RunConfig
 from ratchet.storage import ObjectStore, schemes
-from ratchet.storage.backends import FsspecBackend, open_fsspec
+from ratchet.storage.fsspec_backend import FsspecBackend, open_fsspec
 from ratchet.tasks.generate import write_task_parquet
 from ratchet.workers.engines import ENGINES, Engine, HFEngine
 from ratchet.workflows.modes import LOOP_MODES

@@ -19,7 +19,9 @@ from minio import Minio
 from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
-from .backends import S3Settings, is_not_found, part_size_for
+from .backends import part_size_for
+from .failures import is_not_found
+from .s3_env import S3Settings
 from .keys import check_path
 
 

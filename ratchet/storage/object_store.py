@@ -4,7 +4,7 @@
 (s3fs), `minio://bucket/prefix` (the minio client) and `memory://` (tests). The backend is
 chosen from the URL's scheme by the table in `schemes.py` (where a backend is added);
 callers only ever pass the URL, and endpoints and credentials come from the environment
-(see `backends.py`).
+(see `s3_env.py`).
 
 Writes are atomic: a local folder writes a temporary key and moves it into place, S3 relies
 on PUT and multipart completion being atomic. A reader never sees a half-written object
@@ -38,9 +38,9 @@ import tenacity
 from ratchet.ids import check_id
 
 from . import schemes
-from .backends import (
-    Backend, StorageConfigError, contains_secret, fsync_dir, fsync_file, is_transient, missing_credentials, redact,
-)  # fmt: skip
+from .backends import Backend, fsync_dir, fsync_file
+from .failures import is_transient, missing_credentials
+from .s3_env import StorageConfigError, contains_secret, redact
 from .keys import check_key
 
 log = logging.getLogger(__name__)

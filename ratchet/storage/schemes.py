@@ -7,7 +7,7 @@ here, naming them all when it refuses one.
 To add a backend (say `gs://`): write a class that fulfils `backends.Backend` (single
 attempts on full paths; atomic writes; FileNotFoundError for a missing object), and a
 function `open_x(url, *, part_size, concurrency) -> (backend, root path)` next to
-`open_fsspec` in backends.py; add its line below; run tests/test_storage.py's store tests
+`open_fsspec` in fsspec_backend.py; add its line below; run tests/test_storage.py's store tests
 against it (they take a store) and add a line to tests/test_registries.py's table check.
 
 This module imports nothing outside the standard library: an entry names its opener as
@@ -38,7 +38,7 @@ class Scheme:
         return _load(self.opener)
 
 
-_FSSPEC = "ratchet.storage.backends:open_fsspec"
+_FSSPEC = "ratchet.storage.fsspec_backend:open_fsspec"
 SCHEMES: dict[str, Scheme] = {
     "file": Scheme(_FSSPEC, "a local folder (a plain path works too)"),
     "s3": Scheme(_FSSPEC, "S3 or any S3-protocol server, through s3fs (endpoint and keys from AWS_* variables)", needs_bucket=True),
