@@ -3,7 +3,7 @@
 Each is one torch-free table that both the config schema and the code that builds the
 thing read, so an entry added there is accepted by `load_config` and used by the workers;
 these tests add one (and take it out again) to show that no second place needs an edit.
-The advantage-estimator catalog has its own check in tests/test_algorithms.py.
+The advantage-estimator catalog has its own check in tests/unit/algorithms/test_catalog.py.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 To add, say, an advantage estimator: write the function next to the others of its kind
 (`advantages.py`, with the shared signature), add its line below with its flags, and test
-it by hand-worked numbers in tests/test_algorithms*.py. The line is the registration; the
+it by hand-worked numbers in tests/unit/algorithms/. The line is the registration; the
 config schema, the trainer and the error messages all read these registries.
 
 This module imports no torch: an entry names its implementation as "module:function",
 imported on first use (`Registry.get`, `AdvEstimator.fn`). So the config schema validates
 names, and reads an estimator's flags, in a client or CLI process that never loads torch.
-tests/test_algorithms.py::test_catalog_matches_implementations imports every entry, so a
+tests/unit/algorithms/test_catalog.py::test_catalog_matches_implementations imports every entry, so a
 misspelt or missing function fails there rather than in a run.
 
 Code outside ratchet can add its own with the `register_*` decorators (before the config
