@@ -228,9 +228,9 @@ def checkpoints(run_id: str, root: Optional[str] = RootOption) -> None:
     """List a run's committed checkpoints, oldest first, and whether each is intact."""
     from rich.table import Table
 
-    from ratchet.storage import CheckpointStore, ObjectStore
+    from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
 
-    store = CheckpointStore(ObjectStore(root or ".ratchet/runs").child(_checked_id(run_id)))
+    store = CheckpointStore(ObjectStore(root or RunLayout.DEFAULT_ROOT).child(_checked_id(run_id)))
     table = Table(title=f"checkpoints of {run_id}")
     for col in ("name", "step", "policy version", "world size", "MB", "created", "intact"):
         table.add_column(col)

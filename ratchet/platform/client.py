@@ -219,6 +219,7 @@ class Client:
         from ratchet.config import load_config
         from ratchet.config.resume_keys import check_resume_changes
         from ratchet.storage import CheckpointStore, ObjectStore
+        from ratchet.storage.layout import RunLayout
 
         check_id(run_id)
         if checkpoint is not None:
@@ -229,10 +230,11 @@ class Client:
                 f"overrides (RunHandle.resume()); to resume it from a checkpoint, stop it first (`ratchet stop {run_id}`) "
                 "and wait until it has ended"
             )
-        run_store = ObjectStore(root or ".ratchet/runs").child(run_id)
-        if not run_store.exists("config.json"):
-            raise FileNotFoundError(f"no run {run_id!r} under {root or '.ratchet/runs'} (pass --root, the run's storage.root)")
-        stored = run_store.get_json("config.json")
+        root = root or RunLayout.DEFAULT_ROOT
+        run_store = ObjectStore(root).child(run_id)
+        if not run_store.exists(RunLayout.CONFIG):
+            raise FileNotFoundError(f"no run {run_id!r} under {root} (pass --root, the run's storage.root)")
+        stored = run_store.get_json(RunLayout.CONFIG)
         cfg = load_config(None, overrides, base=stored)
         changed = check_resume_changes(_normalised(stored), cfg.model_dump(mode="json"))
         checkpoints = CheckpointStore(run_store)
@@ -241,7 +243,7 @@ class Client:
             raise FileNotFoundError(f"run {run_id!r} has no valid checkpoint to resume from (checkpoint.every was 0?)")
         if not checkpoints.verify(info.name):
             raise ValueError(f"checkpoint {info.name!r} of run {run_id!r} is corrupted; pick another (ratchet checkpoints {run_id})")
-        state = read_run_state(run_store.get_bytes(f"{checkpoints.prefix}/{info.name}/run_state.json"))
+        state = read_run_state(run_store.get_bytes(RunLayout.checkpoint(info.name, RunLayout.RUN_STATE)))
         if "algorithm.kl.coef" in changed:
             state.kl_coef = cfg.algorithm.kl.coef  # the saved (possibly adapted) one would override it
         newer = [c for c in checkpoints.list() if c.step is not None and info.step is not None and c.step > info.step]

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from .batch_store import BatchStore
     from .checkpoint_store import CheckpointInfo, CheckpointStore, CorruptCheckpoint
     from .keys import UnsafeKey
+    from .layout import RunLayout
+    from .manifest import BadManifest, Manifest
     from .metrics_log import MetricsLog
     from .object_store import ObjectStore, StoreUnavailable, Transfer
 
@@ -25,6 +27,8 @@ __all__, __getattr__, __dir__ = lazy_exports(
         "batch_store": ("BatchStore",),
         "checkpoint_store": ("CheckpointInfo", "CheckpointStore", "CorruptCheckpoint"),
         "keys": ("UnsafeKey",),
+        "layout": ("RunLayout",),
+        "manifest": ("BadManifest", "Manifest"),
         "metrics_log": ("MetricsLog",),
         "object_store": ("ObjectStore", "StoreUnavailable", "Transfer"),
     },

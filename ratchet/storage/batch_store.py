@@ -1,6 +1,7 @@
 """Rollout batches and their scores, as safetensors plus JSON metadata.
 
-Keys derive from the step alone (`batches/step-000012/rollout.safetensors`), so a retried
+Keys derive from the step alone (`batches/step-000012/rollout.safetensors`, built by
+`RunLayout.batch_part`), so a retried
 rollout or scoring activity overwrites its own output instead of adding a second copy.
 Per-sample strings (data source, ground truth, extra info) ride in the safetensors header
 as JSON; nothing here is a pickle.
@@ -9,13 +10,13 @@ as JSON; nothing here is a pickle.
 from __future__ import annotations
 
 import json
-import numbers
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .keys import check_file_name
+from .layout import RunLayout
 from .object_store import ObjectStore
 
 
@@ -40,26 +41,25 @@ def unpack_tensors(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
 
 class BatchStore:
     """The batches of one run; `store` is rooted at the run's folder. `kind` separates
-    training batches from evaluation batches (`batches/`, `evals/`)."""
+    training batches from evaluation batches (`RunLayout.BATCHES`, `RunLayout.EVALS`)."""
 
-    def __init__(self, store: ObjectStore, kind: str = "batches"):
+    def __init__(self, store: ObjectStore, kind: str = RunLayout.BATCHES):
         self.store = store
         self.kind = check_file_name(kind, "batch kind")
 
     def step_key(self, step: int) -> str:
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise ValueError(f"batch step must be an integer >= 0, got {step!r}")
-        return f"{self.kind}/step-{int(step):06d}"
+        return RunLayout.batch_step(self.kind, step)
 
-    def _key(self, step: int, name: str) -> str:
+    def key(self, step: int, name: str) -> str:
+        """The key of part `name` of batch `step` (`batches/step-000012/values.safetensors`)."""
         # one segment each: a name never reaches another step's folder or above the run
-        return f"{self.step_key(step)}/{check_file_name(name, 'batch part name')}.safetensors"
+        return RunLayout.batch_part(self.kind, step, check_file_name(name, "batch part name"))
 
     def write(self, step: int, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> str:
-        return self.store.put_bytes(self._key(step, name), pack_tensors(tensors, meta))
+        return self.store.put_bytes(self.key(step, name), pack_tensors(tensors, meta))
 
     def read(self, step: int, name: str) -> tuple[dict[str, torch.Tensor], dict]:
-        return unpack_tensors(self.store.get_bytes(self._key(step, name)))
+        return unpack_tensors(self.store.get_bytes(self.key(step, name)))
 
     def has(self, step: int, name: str) -> bool:
-        return self.store.exists(self._key(step, name))
+        return self.store.exists(self.key(step, name))

@@ -1,8 +1,9 @@
 """Checkpoints in object storage: folders of files committed by a manifest.
 
-`{prefix}/{name}/` holds the files of a local checkpoint folder (relative paths kept) and
-`{prefix}/{name}/MANIFEST.json`, written last, with each file's size and sha256, the
-caller's metadata and a timestamp. A checkpoint without a manifest does not exist
+`checkpoints/{name}/` holds the files of a local checkpoint folder (relative paths kept)
+and `checkpoints/{name}/MANIFEST.json` (a `manifest.Manifest` of kind CHECKPOINT), written
+last, with each file's size and sha256, the caller's metadata and a timestamp. The keys
+are `RunLayout`'s. A checkpoint without a manifest does not exist
 (DESIGN.md, rule 3): a writer that dies mid-upload leaves only invisible leftovers, which
 `apply_retention` removes later. Readers that must not trust storage blindly (a restore
 after a crash) use `latest()` / `download(verify=True)`, which check every byte against the
@@ -11,7 +12,6 @@ manifest and fall back to the previous good checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -22,15 +22,17 @@ from typing import Any, Callable, TypeVar
 
 from ratchet.ids import check_id, is_valid_id
 
-from .keys import UnsafeKey, check_key
+from .keys import check_key
+from .layout import RunLayout
+from .manifest import CHECKPOINT, BadManifest, FileEntry, Manifest
 from .object_store import LEFTOVER_AGE_S, ObjectStore
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "MANIFEST.json"
-RETIRED = "RETIRED.json"  # a retired checkpoint's manifest (`retire`)
+MANIFEST = RunLayout.CHECKPOINT_MANIFEST
+RETIRED = RunLayout.CHECKPOINT_RETIRED  # a retired checkpoint's manifest (`retire`)
 FORMAT = "ratchet-checkpoint/1"
 
 
@@ -75,7 +77,7 @@ def _sort_key(info: CheckpointInfo) -> tuple:
 
 
 class CheckpointStore:
-    def __init__(self, store: ObjectStore, prefix: str = "checkpoints"):
+    def __init__(self, store: ObjectStore, prefix: str = RunLayout.CHECKPOINTS):
         self.store = store
         self.prefix = prefix.strip("/")
 
@@ -90,24 +92,6 @@ class CheckpointStore:
         check_id(name, "checkpoint name")
         if ".tmp-" in name:
             raise ValueError(f"checkpoint name {name!r}: '.tmp-' marks temporary objects; use a name such as 'step-000120'")
-
-    @staticmethod
-    def _check_files(name: str, files: object) -> None:
-        """A manifest's file list: relative paths that stay inside the checkpoint folder
-        (they become object keys and, in `download`, local paths)."""
-        if not isinstance(files, dict):
-            raise CorruptCheckpoint(name, [f"{MANIFEST}: 'files' is not a mapping"])
-        problems = []
-        for rel, want in files.items():
-            try:
-                check_key(rel, allow_empty=False, what="manifest file name")
-            except UnsafeKey as exc:
-                problems.append(f"manifest path {rel!r} points outside the checkpoint folder ({exc})")
-                continue
-            if not isinstance(want, dict) or not isinstance(want.get("size"), int) or not isinstance(want.get("sha256"), str):
-                problems.append(f"{rel}: manifest entry lacks an integer 'size' and a 'sha256'")
-        if problems:
-            raise CorruptCheckpoint(name, problems)
 
     # ------------------------------------------------------------------ write
 
@@ -140,40 +124,41 @@ class CheckpointStore:
             log.info("checkpoint %s exists; replacing it", self.store.uri(self._key(name)))
             self.store.delete(manifest_key)
 
-        files: dict[str, dict[str, Any]] = {}
+        files: dict[str, FileEntry] = {}
         for path, rel in zip(paths, rels):
             t = self.store.put_file(self._key(name, rel), path)
-            files[rel] = {"size": t.size, "sha256": t.sha256}
+            files[rel] = FileEntry(t.size, t.sha256)
         created = datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
-        manifest = {
-            "format": FORMAT,
-            "name": name,
-            "step": _step_of(meta),
-            "created": created,
-            "total_bytes": sum(f["size"] for f in files.values()),
-            "files": files,
-            "meta": meta,
-        }
-        self.store.put_json(manifest_key, manifest)
+        header = {"format": FORMAT, "name": name, "step": _step_of(meta), "created": created, "meta": meta}
+        manifest = Manifest(files, {**header, "total_bytes": sum(f.size for f in files.values())})
+        self.store.put_json(manifest_key, manifest.to_json(CHECKPOINT))
         # Files of an earlier attempt under this name that this commit no longer has.
         for key in sorted(before - {self._key(name, rel) for rel in rels} - {manifest_key}):
             self.store.delete(key)
-        info = self._info(manifest)
+        info = self._info(name, manifest)
         log.info("committed checkpoint %s (%d files, %d bytes)", info.uri, len(files), info.total_bytes)
         return info
 
     # ------------------------------------------------------------------ read
 
-    def _info(self, manifest: dict) -> CheckpointInfo:
-        return CheckpointInfo(
-            name=manifest["name"],
-            step=manifest.get("step"),
-            files=manifest["files"],
-            total_bytes=manifest["total_bytes"],
-            meta=manifest.get("meta", {}),
-            created=manifest["created"],
-            uri=self.store.uri(self._key(manifest["name"])),
-        )
+    def _info(self, name: str, manifest: Manifest) -> CheckpointInfo:
+        """What a checkpoint manifest describes; CorruptCheckpoint if it is not a
+        `FORMAT` manifest of checkpoint `name`."""
+        head = manifest.fields
+        if head.get("format") != FORMAT or head.get("name") != name:
+            raise CorruptCheckpoint(name, [f"{MANIFEST} is not a {FORMAT} manifest for {name!r}"])
+        try:
+            return CheckpointInfo(
+                name=head["name"],
+                step=head.get("step"),
+                files=manifest.files_json(CHECKPOINT),
+                total_bytes=head["total_bytes"],
+                meta=head.get("meta", {}),
+                created=head["created"],
+                uri=self.store.uri(self._key(name)),
+            )
+        except KeyError as exc:
+            raise CorruptCheckpoint(name, [f"{MANIFEST} lacks a field ({exc!r})"]) from None
 
     def _names(self) -> tuple[list[str], dict[str, list[str]]]:
         """(committed names, {uncommitted name: its keys}) under the prefix."""
@@ -196,23 +181,20 @@ class CheckpointStore:
 
     def _load(self, name: str) -> tuple[CheckpointInfo, bytes]:
         """The checkpoint and its manifest's bytes, read once."""
+        info, _, raw = self._load_manifest(name)
+        return info, raw
+
+    def _load_manifest(self, name: str) -> tuple[CheckpointInfo, Manifest, bytes]:
         self._check_name(name)
         try:
             raw = self.store.get_bytes(self._key(name, MANIFEST))
         except FileNotFoundError:
             raise FileNotFoundError(f"no committed checkpoint {name!r} under {self.store.uri(self.prefix)}") from None
         try:
-            manifest = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptCheckpoint(name, [f"{MANIFEST} is not valid JSON ({exc})"]) from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("name") != name:
-            raise CorruptCheckpoint(name, [f"{MANIFEST} is not a {FORMAT} manifest for {name!r}"])
-        try:
-            info = self._info(manifest)
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise CorruptCheckpoint(name, [f"{MANIFEST} lacks a field ({exc!r})"]) from None
-        self._check_files(name, info.files)
-        return info, raw
+            manifest = Manifest.parse(raw, CHECKPOINT)
+        except BadManifest as exc:
+            raise CorruptCheckpoint(name, exc.problems) from None
+        return self._info(name, manifest), manifest, raw
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first (by `step`, else by name). An unreadable
@@ -228,23 +210,20 @@ class CheckpointStore:
     def problems(self, name: str) -> list[str]:
         """What is wrong with the stored bytes of `name` (empty when it matches its manifest)."""
         try:
-            info = self.get(name)
+            _, manifest, _ = self._load_manifest(name)
         except CorruptCheckpoint as exc:
             return exc.problems
         out = []
-        for rel, want in info.files.items():
+        for rel in manifest.files:
             key = self._key(name, rel)
             try:
-                size = self.store.size(key)
-                if size != want["size"]:
-                    out.append(f"{rel}: {size} bytes, manifest says {want['size']}")
-                    continue
-                _, sha = self.store.sha256(key)
+                problem = manifest.problem(rel, self.store.size(key))  # the size first: no read for a truncated file
+                if problem is None:
+                    problem = manifest.problem(rel, *self.store.sha256(key))
             except FileNotFoundError:
-                out.append(f"{rel}: missing")
-                continue
-            if sha != want["sha256"]:
-                out.append(f"{rel}: sha256 {sha[:12]}... differs from the manifest's {want['sha256'][:12]}...")
+                problem = f"{rel}: missing"
+            if problem:
+                out.append(problem)
         return out
 
     def verify(self, name: str) -> bool:
@@ -289,11 +268,10 @@ class CheckpointStore:
         """Small files of checkpoint `name`, checked against its manifest."""
         for rel in rels:
             check_key(rel, allow_empty=False, what="checkpoint file name")
-        info = self.get(name)
+        _, manifest, _ = self._load_manifest(name)
         out, problems = {}, []
         for rel in rels:
-            want = info.files.get(rel)
-            if want is None:
+            if rel not in manifest.files:
                 problems.append(f"{rel}: not in the manifest")
                 continue
             try:
@@ -301,8 +279,9 @@ class CheckpointStore:
             except FileNotFoundError:
                 problems.append(f"{rel}: missing")
                 continue
-            if len(data) != want["size"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
-                problems.append(f"{rel}: stored bytes differ from the manifest")
+            problem = manifest.problem_of_bytes(rel, data)
+            if problem:
+                problems.append(problem)
             out[rel] = data
         if problems:
             raise CorruptCheckpoint(name, problems)
@@ -316,35 +295,36 @@ class CheckpointStore:
         from the manifest is fetched once more from scratch (it may have resumed on a
         stale partial file) and then raises CorruptCheckpoint. `progress`, if given, is
         called after each file with a short text (e.g. to heartbeat an activity)."""
-        info, manifest = self._load(name)
+        info, manifest, raw = self._load_manifest(name)
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
         (local_dir / MANIFEST).unlink(missing_ok=True)  # the local copy is incomplete until the end
         problems = []
         root = local_dir.resolve()
         done_bytes = 0
-        for number, (rel, want) in enumerate(info.files.items(), 1):
+        for number, rel in enumerate(manifest.files, 1):
             target = local_dir / rel
             if not target.resolve().is_relative_to(root):
                 raise CorruptCheckpoint(name, [f"manifest path {rel!r} points outside the checkpoint folder"])
             key = self._key(name, rel)
             try:
                 t = self.store.get_file(key, target, checksum=verify)
-                if verify and (t.size, t.sha256) != (want["size"], want["sha256"]) and t.transferred < t.size:
+                if verify and manifest.problem(rel, t.size, t.sha256) and t.transferred < t.size:
                     target.unlink()
                     t = self.store.get_file(key, target)
             except FileNotFoundError:
                 problems.append(f"{rel}: missing")
                 continue
-            if t.size != want["size"] or (verify and t.sha256 != want["sha256"]):
+            problem = manifest.problem(rel, t.size, t.sha256 if verify else None)
+            if problem:
                 target.unlink()
-                problems.append(f"{rel}: stored bytes (size {t.size}, sha256 {t.sha256[:12]}...) differ from the manifest")
+                problems.append(problem)
             done_bytes += t.size
             if progress is not None:
                 progress(f"{name}: {number}/{len(info.files)} files, {done_bytes}/{info.total_bytes} bytes ({rel})")
         if problems:
             raise CorruptCheckpoint(name, problems)
-        (local_dir / MANIFEST).write_bytes(manifest)
+        (local_dir / MANIFEST).write_bytes(raw)
         return info
 
     # ------------------------------------------------------------------ delete

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 
 from .keys import check_key
+from .layout import RunLayout
 from .object_store import ObjectStore
 
-KEY = "metrics.jsonl"
+KEY = RunLayout.METRICS
 
 
 class MetricsLog:

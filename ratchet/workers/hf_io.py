@@ -1,8 +1,9 @@
 """Hugging Face model folders in the object store.
 
 A model is saved to a local temporary folder with `save_pretrained` (safetensors), each
-file is uploaded, and `manifest.json` (names, sizes, sha256) is written last: a model
-folder without a manifest is incomplete and is never loaded.
+file is uploaded, and `manifest.json` (names, sizes, sha256: a `ratchet.storage.manifest`
+of kind MODEL) is written last: a model folder without a manifest is incomplete and is
+never loaded.
 
 A remote model is cached per user (`local_paths.models_dir()`, private, mode 0700): it is
 downloaded into a fresh `mkdtemp` folder next to the cache entry, every file is checked
@@ -28,15 +29,16 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Mapping
 
 from ratchet.storage import ObjectStore
-from ratchet.storage.keys import UnsafeKey, check_file_name
+from ratchet.storage.manifest import MODEL, BadManifest, FileEntry, Manifest
 
 from .local_paths import ensure_private_dir, models_dir
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
+MANIFEST = MODEL.file_name
 STAMP = ".verified.json"  # (size, mtime_ns, sha256) of each file when it was last hashed
 VERIFY_SHA256_MAX_BYTES = 2 << 30
 STALE_DOWNLOAD_S = 3600.0  # a `.download-` folder older than this belongs to a killed process
@@ -54,8 +56,8 @@ def save_hf(model, tokenizer, store: ObjectStore, key: str) -> str:
         for path in sorted(Path(tmp).iterdir()):
             data = path.read_bytes()
             store.put_bytes(f"{key}/{path.name}", data)
-            files[path.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    store.put_json(f"{key}/{MANIFEST}", {"files": files})
+            files[path.name] = FileEntry.of_bytes(data)
+    store.put_json(f"{key}/{MANIFEST}", Manifest(files).to_json(MODEL))
     return store.uri(key)
 
 
@@ -68,36 +70,31 @@ def local_hf_path(uri: str, cache_dir: str | None = None) -> str:
             return store.root
         raise FileNotFoundError(f"no Hugging Face model at {uri}")
     raw = store.get_bytes(MANIFEST)
-    files = manifest_files(uri, raw)
+    manifest = read_manifest(uri, raw)
     base = ensure_private_dir(cache_dir) if cache_dir else models_dir()
     target = base / hashlib.sha256(uri.encode()).hexdigest()[:32]
-    if cached_ok(target, files):
+    if cached_ok(target, manifest):
         return str(target)
     _remove_stale_downloads(base)
     fresh = Path(tempfile.mkdtemp(prefix=".download-", dir=base))
     try:
-        _download(store, uri, files, raw, fresh)
-        _install(fresh, target, files)
+        _download(store, uri, manifest, raw, fresh)
+        _install(fresh, target, manifest)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)  # gone after a rename; a loser's copy otherwise
     return str(target)
 
 
-def manifest_files(uri: str, raw: bytes) -> dict[str, dict]:
-    """{file name: {"bytes", "sha256"}} of a model manifest, every name a plain file name."""
+def read_manifest(uri: str, raw: bytes) -> Manifest:
+    """The manifest of the model at `uri`, every name a plain file name; CorruptModel else."""
     try:
-        files = json.loads(raw)["files"]
-        entries = {name: (int(info["bytes"]), str(info["sha256"])) for name, info in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptModel(f"{uri}/{MANIFEST}: not a model manifest ({type(exc).__name__}: {exc})") from None
-    for name in entries:
-        try:
-            check_file_name(name, "model manifest file name")
-        except UnsafeKey as exc:
-            raise CorruptModel(f"{uri}/{MANIFEST}: {exc}") from None
-        if name in (MANIFEST, STAMP) or name.startswith(".download-"):
-            raise CorruptModel(f"{uri}/{MANIFEST}: file name {name!r} is reserved for the manifest or the cache")
-    return {name: {"bytes": size, "sha256": sha} for name, (size, sha) in entries.items()}
+        manifest = Manifest.parse(raw, MODEL)
+    except BadManifest as exc:
+        raise CorruptModel(f"{uri}/{MANIFEST}: not a usable model manifest: {exc}") from None
+    for name in manifest.files:
+        if name == STAMP or name.startswith(".download-"):
+            raise CorruptModel(f"{uri}/{MANIFEST}: file name {name!r} is reserved for the model cache")
+    return manifest
 
 
 def _sha256(path: Path) -> str:
@@ -108,40 +105,43 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def cached_ok(folder: Path, files: dict[str, dict]) -> bool:
-    """Whether `folder` holds exactly the bytes `files` describes (see the module docstring
-    for how much is read)."""
+def cached_ok(folder: Path, manifest: Manifest | Mapping[str, Any]) -> bool:
+    """Whether `folder` holds exactly the bytes `manifest` (or its `files` object, as
+    stored) describes (see the module docstring for how much is read)."""
+    if not isinstance(manifest, Manifest):
+        manifest = Manifest(Manifest.parse_files(manifest, MODEL))
     if not (folder / MANIFEST).is_file():
         return False
     try:
         stamp = json.loads((folder / STAMP).read_text())
     except (OSError, ValueError):
         stamp = {}
-    full = sum(info["bytes"] for info in files.values()) <= VERIFY_SHA256_MAX_BYTES
-    for name, want in files.items():
+    full = manifest.total_bytes <= VERIFY_SHA256_MAX_BYTES
+    for name, want in manifest.files.items():
         try:
             st = (folder / name).stat()
         except OSError:
             return False
-        if st.st_size != want["bytes"]:
+        if manifest.problem(name, st.st_size):
             return False
         seen = stamp.get(name) if isinstance(stamp, dict) else None
-        if not full and seen == [st.st_size, st.st_mtime_ns, want["sha256"]]:
+        if not full and seen == [st.st_size, st.st_mtime_ns, want.sha256]:
             continue
-        if _sha256(folder / name) != want["sha256"]:
+        if manifest.problem(name, st.st_size, _sha256(folder / name)):
             log.warning("cached model file %s differs from its manifest; downloading the model again", folder / name)
             return False
     return True
 
 
-def _download(store: ObjectStore, uri: str, files: dict[str, dict], raw: bytes, out: Path) -> None:
+def _download(store: ObjectStore, uri: str, manifest: Manifest, raw: bytes, out: Path) -> None:
     stamp = {}
-    for name, want in files.items():
+    for name in manifest.files:
         t = store.get_file(name, out / name)  # streamed, sha256 computed on the way
-        if (t.size, t.sha256) != (want["bytes"], want["sha256"]):
+        if manifest.problem(name, t.size, t.sha256):
+            want = manifest.files[name]
             raise CorruptModel(
                 f"{uri}/{name}: sha256 does not match the manifest (stored {t.size} bytes, {t.sha256[:12]}...; "
-                f"manifest {want['bytes']} bytes, {want['sha256'][:12]}...); export the model again"
+                f"manifest {want.size} bytes, {want.sha256[:12]}...); export the model again"
             )
         st = (out / name).stat()
         stamp[name] = [st.st_size, st.st_mtime_ns, t.sha256]
@@ -149,7 +149,7 @@ def _download(store: ObjectStore, uri: str, files: dict[str, dict], raw: bytes, 
     (out / MANIFEST).write_bytes(raw)  # last: a folder without it is never used
 
 
-def _install(fresh: Path, target: Path, files: dict[str, dict]) -> None:
+def _install(fresh: Path, target: Path, manifest: Manifest) -> None:
     """Rename `fresh` into place atomically. When another process got there first with a
     good copy, keep theirs; a bad copy in the way is moved aside and removed first."""
     for _ in range(3):
@@ -159,7 +159,7 @@ def _install(fresh: Path, target: Path, files: dict[str, dict]) -> None:
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-        if cached_ok(target, files):
+        if cached_ok(target, manifest):
             return
         aside = Path(tempfile.mkdtemp(prefix=".download-stale-", dir=target.parent))
         try:

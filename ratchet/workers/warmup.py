@@ -49,22 +49,23 @@ def supervised_warmup(model, tokenizer, prompts: PromptSet, *, steps: int, lr: f
 
 
 def warmup_policy(cfg, base_model_path: str, run_uri: str) -> dict:
-    """Warm up the configured model and store it as `warmup/model` in the run folder.
+    """Warm up the configured model and store it as `RunLayout.WARMUP_MODEL` in the run folder.
 
     Idempotent: a retried call finds the committed model (its manifest) and returns it."""
     import time
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ratchet.storage import ObjectStore
+    from ratchet.storage import ObjectStore, RunLayout
 
     from .hf_io import MANIFEST, save_hf
     from .runtime import configure_worker_process
 
     configure_worker_process(cfg.resources.torch_threads)
     run = ObjectStore(run_uri)
-    if run.exists(f"warmup/model/{MANIFEST}") and run.exists("warmup/losses.json"):
-        return {"uri": run.uri("warmup/model"), **run.get_json("warmup/losses.json"), "seconds": 0.0}
+    model_key, losses_key = RunLayout.WARMUP_MODEL, RunLayout.WARMUP_LOSSES
+    if run.exists(f"{model_key}/{MANIFEST}") and run.exists(losses_key):
+        return {"uri": run.uri(model_key), **run.get_json(losses_key), "seconds": 0.0}
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base_model_path)
     model = AutoModelForCausalLM.from_pretrained(base_model_path)
@@ -72,6 +73,6 @@ def warmup_policy(cfg, base_model_path: str, run_uri: str) -> dict:
     w = cfg.warmup
     losses = supervised_warmup(model, tokenizer, prompts, steps=w.steps, lr=w.lr, batch_size=w.batch_size, seed=cfg.seed)
     summary = {"loss_first": losses[0], "loss_last": losses[-1]}
-    uri = save_hf(model, tokenizer, run, "warmup/model")
-    run.put_json("warmup/losses.json", summary)
+    uri = save_hf(model, tokenizer, run, model_key)
+    run.put_json(losses_key, summary)
     return {"uri": uri, **summary, "seconds": time.perf_counter() - t0}
