@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 # torch, so validating a config does not either (tests/test_config.py checks it).
 from ratchet.algorithms.catalog import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
 from ratchet.storage import schemes
+from ratchet.storage.layout import RunLayout
 from ratchet.workers.engines.catalog import ENGINES
 from ratchet.workflows.modes import LOOP_MODES
 
@@ -257,7 +258,7 @@ _URL_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least
 
 class StorageConfig(Section):
     root: str = Field(
-        ".ratchet/runs",
+        RunLayout.DEFAULT_ROOT,
         description="Local folder, or object-store URL, under which each run gets a folder: "
         + "; ".join(f"{name}://{'bucket/prefix' if s.needs_bucket else ''} {s.description}" for name, s in schemes.SCHEMES.items())
         + ".",

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ratchet.storage.layout import RunLayout
 from ratchet.types import RunSummary
 
 from .client import RunHandle
@@ -50,7 +51,7 @@ def summary_table(summary: RunSummary, wall_s: float, ui_url: str | None = None)
     for step, reward in sorted(summary.eval_rewards.items(), key=lambda kv: int(kv[0])):
         table.add_row(f"eval reward (greedy) at step {step}", f"{reward:.3f}")
     table.add_row("final policy", summary.final_policy_uri or "-")
-    table.add_row("metrics", f"{summary.run_uri}/metrics.jsonl")
+    table.add_row("metrics", f"{summary.run_uri}/{RunLayout.METRICS}")
     if ui_url:
         table.add_row("Temporal UI", f"{ui_url}/namespaces/default/workflows/{summary.run_id}")
     table.add_row("wall time", f"{wall_s:.1f} s")
