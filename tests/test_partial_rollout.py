@@ -85,6 +85,12 @@ def make_cfg(model: Path, data: Path, run: Path, **loop) -> RunConfig:
     )
 
 
+def token_versions(run_dir, step: int) -> set[int]:
+    """The policy versions that produced the response tokens of a stored batch."""
+    batch = RolloutBatch.load(BatchStore(ObjectStore(str(run_dir))), step)
+    return set(batch.policy_version[batch.response_mask > 0].tolist())
+
+
 def test_rollout_worker_takes_a_sync_inside_a_generation(tiny_model, copy_data, tmp_path):
     """A `load_weights` from another thread lands at the next decode step; the batch then
     holds tokens of both versions, oldest first, and the call returns once they serve."""
@@ -110,7 +116,7 @@ def test_rollout_worker_takes_a_sync_inside_a_generation(tiny_model, copy_data, 
 
     worker._swap = swap_with_sync_arriving
     out = worker.generate(step=0, prompt_start=0, prompt_count=2, policy_version=0)
-    assert out["policy_version"] == 0 and out["policy_version_max"] == 1
+    assert out.policy_version == 0 and token_versions(tmp_path, 0) == {0, 1}
     assert done == {"bytes": sum(v.nbytes for v in new.values()), "version": 1}
     batch = RolloutBatch.load(BatchStore(ObjectStore(str(tmp_path))), 0)
     for row in range(len(batch)):
@@ -119,7 +125,7 @@ def test_rollout_worker_takes_a_sync_inside_a_generation(tiny_model, copy_data, 
     # The next generation starts on the new weights, and asking for the older version is
     # allowed (the workflow may not have heard of the sync yet); asking ahead is not.
     out = worker.generate(step=1, prompt_start=2, prompt_count=2, policy_version=0)
-    assert out["policy_version"] == out["policy_version_max"] == 1
+    assert out.policy_version == 1 and token_versions(tmp_path, 1) == {1}
     with pytest.raises(RuntimeError, match="holds policy v1, asked for v2"):
         worker.generate(step=2, prompt_start=4, prompt_count=2, policy_version=2)
 
@@ -145,7 +151,7 @@ def test_without_partial_rollouts_a_sync_waits_for_the_generation(tiny_model, co
     worker.load_weights(new, 1)
     t.join(10)
     out = done["out"]
-    assert out["policy_version"] == out["policy_version_max"] == 0 and worker.version == 1
+    assert out.policy_version == 0 and token_versions(tmp_path, 0) == {0} and worker.version == 1
     with pytest.raises(RuntimeError, match="holds policy v1, asked for v2"):
         worker.generate(1, 2, 2, 2)
 
@@ -176,6 +182,6 @@ def test_deterministic_worker_logs_what_it_serves_and_serves_it_again(tiny_model
     # v0 is the initial policy's files: the same batch again, token for token.
     assert worker.serve_logged(0) and worker.version == 0
     again = worker.generate(0, 0, 2, 0, exact=True)
-    assert again["num_response_tokens"] == original["num_response_tokens"]
+    assert again.num_response_tokens == original.num_response_tokens
     second = RolloutBatch.load(BatchStore(ObjectStore(str(tmp_path))), 0)
     assert torch.equal(first.response_ids, second.response_ids) and torch.equal(first.rollout_logprobs, second.rollout_logprobs)

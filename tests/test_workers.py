@@ -507,8 +507,8 @@ def test_retried_train_call_does_not_update_twice(tiny_model, train_batch, tmp_p
     first = worker.train(0, 0, 0.0)
     after_first = {k: v.clone() for k, v in worker.trainer.full_state().items()}
     again = worker.train(0, 0, 0.0)
-    assert again["policy_version"] == first["policy_version"] == 1
-    assert again["metrics"]["pg_loss"] == first["metrics"]["pg_loss"]
+    assert again.policy_version == first.policy_version == 1
+    assert again.metrics["pg_loss"] == first.metrics["pg_loss"]
     assert all(torch.equal(after_first[k], v) for k, v in worker.trainer.full_state().items())
     with pytest.raises(RuntimeError, match="holds policy v1, asked to train v0"):
         worker.train(1, 0, 0.0)

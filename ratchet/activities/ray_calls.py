@@ -4,18 +4,14 @@ Activities run in a thread pool; each wait polls Ray with a short timeout and he
 between, so Temporal notices a dead worker within the heartbeat timeout, and a cancelled
 activity cancels its Ray task instead of leaving it running (DESIGN.md, rule 5).
 
-Ray wraps an error raised inside an actor (RayTaskError, or ActorDiedError when the
-actor's constructor raised), so the workflow's list of non-retryable error types could
-never match it. `wait` classifies by the cause: a domain error that no retry can fix
-(ratchet.errors.NON_RETRYABLE) becomes a non-retryable ApplicationError of the cause's
-type; infrastructure errors (an actor died, an object was lost) stay retryable.
+Domain errors raised inside a Ray actor are classified by `translate.from_ray_error`.
+`ACTIVITY_WAITER` hands these waits to the worker layer (`RunActors(..., waiter=...)`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -23,46 +19,15 @@ from typing import Any
 
 import ray
 from temporalio import activity
-from temporalio.exceptions import ApplicationError, CancelledError
+from temporalio.exceptions import CancelledError
 
-from ratchet.errors import NON_RETRYABLE
+from ratchet.workers.actors import WaitTimeout
+
+from .translate import from_ray_error
 
 POLL_SECONDS = 1.0
-# The last line of a Python traceback: `package.module.ClassName: message`.
-_TRACEBACK_TAIL = re.compile(r"^(?:[\w]+\.)*(\w+): (.*)$")
 
-
-class WaitTimeout(TimeoutError):
-    """Ray work did not finish within the time given to `wait`."""
-
-
-def _domain_type(exc: BaseException) -> str | None:
-    """The first non-retryable domain error type among exc's classes and causes."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        for cls in type(exc).__mro__:
-            if cls.__name__ in NON_RETRYABLE:
-                return cls.__name__
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def classify(err: BaseException) -> BaseException:
-    """The error an activity should raise for `err`, an error from `ray.get`."""
-    if isinstance(err, ray.exceptions.RayTaskError):
-        cause = err.cause if err.cause is not None else err
-        kind = _domain_type(cause)
-        if kind is not None:
-            return ApplicationError(f"{kind}: {cause}", type=kind, non_retryable=True)
-        return err
-    if isinstance(err, ray.exceptions.RayActorError) and getattr(err, "_actor_init_failed", False):
-        # The constructor raised; only its traceback text crossed over.
-        lines = [x for x in (getattr(err, "error_msg", "") or "").splitlines() if x.strip()]
-        m = _TRACEBACK_TAIL.match(lines[-1].strip()) if lines else None
-        if m is not None and m.group(1) in NON_RETRYABLE:
-            return ApplicationError(f"{m.group(1)}: {m.group(2)}", type=m.group(1), non_retryable=True)
-    return err
+__all__ = ["ACTIVITY_WAITER", "POLL_SECONDS", "WaitTimeout", "heartbeating", "wait"]
 
 
 @contextlib.contextmanager
@@ -108,8 +73,30 @@ def wait(refs: Any, *, details: Any = None, timeout_s: float | None = None) -> A
     try:
         values = ray.get([refs] if single else list(refs))
     except ray.exceptions.RayError as err:
-        classified = classify(err)
+        classified = from_ray_error(err)
         if classified is err:
             raise
         raise classified from err
     return values[0] if single else values
+
+
+def beat(details: str) -> None:
+    """Progress of a long job (a file of a checkpoint downloaded); nothing outside an activity."""
+    if activity.in_activity():
+        activity.heartbeat(details)
+
+
+class ActivityWaiter:
+    """The worker layer's `Waiter` inside an activity: waits heartbeat and honour cancellation."""
+
+    def wait(self, refs: Any, *, timeout_s: float | None = None) -> Any:
+        return wait(refs, timeout_s=timeout_s)
+
+    def progress(self, details: str) -> None:
+        beat(details)
+
+    def busy(self, details: str):
+        return heartbeating(details)
+
+
+ACTIVITY_WAITER = ActivityWaiter()

@@ -16,11 +16,10 @@ from functools import lru_cache
 import ray
 import temporalio.converter
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
 from ratchet.config.schema import RunConfig
-from ratchet.errors import CHECKPOINT_FAILED
-from ratchet.storage import MetricsLog, ObjectStore
+from ratchet.errors import CheckpointFailed
+from ratchet.storage import MetricsLog, ObjectStore, RunLayout
 from ratchet.types import (
     BatchRef,
     CheckpointInput,
@@ -47,18 +46,19 @@ from ratchet.types import (
     WarmupInput,
     WarmupOutput,
 )
+from ratchet.ids import check_id
+from ratchet.workers.actors import RunActors, release_run_actors
+from ratchet.workers.results import CheckpointOutcome, CheckpointStarted
 from ratchet.workers.warmup import warmup_policy
 
-from ratchet.ids import check_id
-
-from .pools import RunPools, release_run_actors
-from .ray_calls import wait
+from .ray_calls import ACTIVITY_WAITER, wait
+from .translate import temporal_errors
 
 log = logging.getLogger(__name__)
 # Run states go into checkpoints as the same JSON Temporal would carry them in.
 PAYLOADS = temporalio.converter.default().payload_converter
 
-CONFIG_KEY = "config.json"
+CONFIG_KEY = RunLayout.CONFIG
 
 
 @lru_cache(maxsize=64)
@@ -71,11 +71,13 @@ def config_digest(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def pools_for(run: RunRef) -> RunPools:
-    return RunPools(run.run_id, run.run_uri, _run_config(run.run_uri, run.config_id))
+def actors_for(run: RunRef) -> RunActors:
+    """The run's actors, waiting on them with heartbeats."""
+    return RunActors(run.run_id, run.run_uri, _run_config(run.run_uri, run.config_id), waiter=ACTIVITY_WAITER)
 
 
 @activity.defn(name="prepare_run")
+@temporal_errors
 def prepare_run(inp: PrepareInput) -> PrepareOutput:
     """Create the run folder and store the (already validated) config in it."""
     cfg = RunConfig.model_validate(inp.config)
@@ -86,6 +88,7 @@ def prepare_run(inp: PrepareInput) -> PrepareOutput:
 
 
 @activity.defn(name="warmup")
+@temporal_errors
 def warmup(inp: WarmupInput) -> WarmupOutput:
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     if cfg.warmup.steps == 0:
@@ -96,103 +99,107 @@ def warmup(inp: WarmupInput) -> WarmupOutput:
 
 
 @activity.defn(name="start_workers")
+@temporal_errors
 def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
     """Create the run's actors. On a resume from a checkpoint (`restore_version` set), first
     release whatever actors the run still has, and rebuild the trainer at that version."""
     t0 = time.perf_counter()
-    pools = pools_for(inp.run)
-    pools.check_resources()
+    actors = actors_for(inp.run)
+    actors.check_resources()
     if inp.restore_version is not None:
-        pools.shutdown()
-        pools.trainers(inp.restore_version)
-        source = pools.initial_policy()
-        wait([pools.start_rollout(source).policy_version.remote(), pools.start_reward(source).__ray_ready__.remote()])
-        if pools.cfg.uses_critic:
-            pools.critic(inp.restore_version)  # from the checkpoint, like the trainer
+        actors.shutdown()
+        actors.trainers(inp.restore_version)
+        source = actors.initial_policy()
+        wait([actors.start_rollout(source).policy_version.remote(), actors.start_reward(source).__ray_ready__.remote()])
+        if actors.cfg.uses_critic:
+            actors.critic(inp.restore_version)  # from the checkpoint, like the trainer
         return StartWorkersOutput(policy_version=inp.restore_version, num_parameters=0, seconds=time.perf_counter() - t0)
-    n_params = pools.start_trainers(inp.policy_uri)
-    ready = [pools.start_rollout(inp.policy_uri).policy_version.remote(), pools.start_reward(inp.policy_uri).__ray_ready__.remote()]
-    if pools.cfg.uses_critic:
-        ready.append(pools.start_critic().__ray_ready__.remote())
+    n_params = actors.start_trainers(inp.policy_uri)
+    ready = [actors.start_rollout(inp.policy_uri).policy_version.remote(), actors.start_reward(inp.policy_uri).__ray_ready__.remote()]
+    if actors.cfg.uses_critic:
+        ready.append(actors.start_critic().__ray_ready__.remote())
     wait(ready)
     return StartWorkersOutput(policy_version=0, num_parameters=n_params, seconds=time.perf_counter() - t0)
 
 
 @activity.defn(name="generate")
+@temporal_errors
 def generate(inp: RolloutInput) -> BatchRef:
-    pools = pools_for(inp.run)
-    rollout = pools.rollout(inp.policy_version, exact=inp.exact_version)
+    actors = actors_for(inp.run)
+    rollout = actors.rollout(inp.policy_version, exact=inp.exact_version)
     out = wait(rollout.generate.remote(inp.step, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part, inp.exact_version))
     return BatchRef(
         run_id=inp.run.run_id,
         step=inp.step,
-        uri=out["uri"],
+        uri=out.uri,
         num_prompts=inp.prompt_count,
-        num_samples=out["num_samples"],
-        num_response_tokens=out["num_response_tokens"],
-        policy_version=out["policy_version"],
+        num_samples=out.num_samples,
+        num_response_tokens=out.num_response_tokens,
+        policy_version=out.policy_version,
         part=inp.part,
         prompt_start=inp.prompt_start,
-        generate_seconds=out["generate_seconds"],
-        response_length_mean=out["response_length_mean"],
+        generate_seconds=out.generate_seconds,
+        response_length_mean=out.response_length_mean,
     )
 
 
 @activity.defn(name="score")
+@temporal_errors
 def score(inp: ScoreInput) -> ScoreOutput:
-    pools = pools_for(inp.run)
-    out = pools.score(inp.batch.step, "batches", inp.batch.part)
+    actors = actors_for(inp.run)
+    out = actors.score(inp.batch.step, RunLayout.BATCHES, inp.batch.part)
     return ScoreOutput(
-        reward_mean=out["reward_mean"],
-        reward_std=out["reward_std"],
-        seconds=out["seconds"],
-        informative_groups=out["informative_groups"],
+        reward_mean=out.reward_mean, reward_std=out.reward_std, seconds=out.seconds, informative_groups=out.informative_groups
     )
 
 
 @activity.defn(name="train")
+@temporal_errors
 def train(inp: TrainInput) -> TrainOutput:
     """Policy update; with a critic (GAE), values first and the critic's own update after."""
     t0 = time.perf_counter()
-    pools = pools_for(inp.run)
+    actors = actors_for(inp.run)
     step, parts = inp.batch.step, inp.parts
     retrying = activity.info().attempt > 1
-    critic = pools.critic(inp.policy_version, retrying_update=retrying) if pools.cfg.uses_critic else None
+    critic = actors.critic(inp.policy_version, retrying_update=retrying) if actors.cfg.uses_critic else None
     if critic is not None:
         wait(critic.compute_values.remote(step, parts))
-    ranks = pools.trainers(inp.policy_version, retrying_update=retrying)
+    ranks = actors.trainers(inp.policy_version, retrying_update=retrying)
     outs = wait([a.train.remote(step, inp.policy_version, inp.kl_coef, parts) for a in ranks])
-    metrics = dict(outs[0]["metrics"])
+    metrics = dict(outs[0].metrics)
     if critic is not None:
         metrics.update(wait(critic.update.remote(step, parts)))
     return TrainOutput(
-        policy_version=outs[0]["policy_version"], metrics=metrics, seconds=time.perf_counter() - t0, kl_coef=outs[0]["kl_coef"]
+        policy_version=outs[0].policy_version, metrics=metrics, seconds=time.perf_counter() - t0, kl_coef=outs[0].kl_coef
     )
 
 
 @activity.defn(name="sync_weights")
+@temporal_errors
 def sync_weights(inp: SyncInput) -> SyncOutput:
     t0 = time.perf_counter()
-    moved, version = pools_for(inp.run).sync_weights(inp.policy_version)
+    moved, version = actors_for(inp.run).sync_weights(inp.policy_version)
     return SyncOutput(policy_version=version, seconds=time.perf_counter() - t0, megabytes=moved / 1e6)
 
 
 @activity.defn(name="evaluate")
+@temporal_errors
 def evaluate(inp: EvalInput) -> EvalOutput:
     """Greedy answers on the fixed eval prompts, scored by the reward worker."""
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
-    pools = pools_for(inp.run)
-    gen = wait(pools.rollout(inp.policy_version).generate_eval.remote(inp.step, cfg.data.eval_size))
-    out = pools.score(inp.step, "evals")
-    return EvalOutput(step=inp.step, reward_mean=out["reward_mean"], num_samples=gen["num_samples"])
+    actors = actors_for(inp.run)
+    gen = wait(actors.rollout(inp.policy_version).generate_eval.remote(inp.step, cfg.data.eval_size))
+    out = actors.score(inp.step, RunLayout.EVALS)
+    return EvalOutput(step=inp.step, reward_mean=out.reward_mean, num_samples=gen.num_samples)
 
 
 @activity.defn(name="checkpoint")
+@temporal_errors
 def checkpoint(inp: CheckpointInput) -> CheckpointOutput:
     """Snapshot the trainer state; the ranks write, export and upload it in the background,
     and the manifest committed last makes it exist (workers/trainer.py)."""
-    pools = pools_for(inp.run)
-    ranks = pools.trainers(inp.policy_version)
+    actors = actors_for(inp.run)
+    ranks = actors.trainers(inp.policy_version)
     run_state = json.loads(PAYLOADS.to_payloads([inp.state])[0].data)
     # A background upload that failed is reported now, never dropped: this checkpoint is
     # then taken in the foreground, and the activity fails (and is retried) if it fails too.
@@ -200,24 +207,24 @@ def checkpoint(inp: CheckpointInput) -> CheckpointOutput:
     if failed:
         log.warning("run %s: %s; taking checkpoint step %d in the foreground", inp.run.run_id, failed, inp.step)
     # The critic's state goes from its actor to rank 0 directly (an ObjectRef, not via here).
-    critic = pools.critic(inp.policy_version).state_files.remote() if pools.cfg.uses_critic else None
+    critic = actors.critic(inp.policy_version).state_files.remote() if actors.cfg.uses_critic else None
     outs = wait(
         [a.start_checkpoint.remote(inp.step, run_state, critic if r == 0 else None, bool(failed)) for r, a in enumerate(ranks)]
     )
     now_failed = _checkpoint_errors(outs)
     if now_failed:
         earlier = f" (after an earlier one: {failed})" if failed else ""
-        raise ApplicationError(f"run {inp.run.run_id}: {now_failed}{earlier}", type=CHECKPOINT_FAILED)
+        raise CheckpointFailed(f"run {inp.run.run_id}: {now_failed}{earlier}")
     return CheckpointOutput(
-        name=outs[0]["name"],
-        stall_seconds=max(o["stall_seconds"] for o in outs),
-        waited_seconds=max(o["waited_seconds"] for o in outs),
+        name=outs[0].name,
+        stall_seconds=max(o.stall_seconds for o in outs),
+        waited_seconds=max(o.waited_seconds for o in outs),
     )
 
 
-def _checkpoint_errors(outs: list[dict]) -> str:
+def _checkpoint_errors(outs: list[CheckpointStarted | CheckpointOutcome]) -> str:
     """The failures the ranks report (rank 0 uploads; every rank writes), as one text."""
-    return "; ".join(dict.fromkeys(o["error"] for o in outs if o.get("error")))
+    return "; ".join(dict.fromkeys(o.error for o in outs if o.error))
 
 
 def _settle_last_checkpoint(run_id: str, ranks: list) -> None:
@@ -232,36 +239,38 @@ def _settle_last_checkpoint(run_id: str, ranks: list) -> None:
     again = _checkpoint_errors(outs)
     if again:
         # A retry cannot help once the trainer trained on: the failed state is gone.
-        impossible = any(o.get("impossible") for o in outs)
-        raise ApplicationError(
+        impossible = any(o.impossible for o in outs)
+        raise CheckpointFailed(
             f"run {run_id}: {again}. The run has no committed checkpoint of its last state; check storage.root "
             "(space, permissions, the object store) and resume the run from its last good checkpoint",
-            type=CHECKPOINT_FAILED,
             non_retryable=impossible,
         )
 
 
 @activity.defn(name="record_step")
+@temporal_errors
 def record_step(inp: StepRecord) -> None:
     MetricsLog(ObjectStore(inp.run.run_uri)).write(inp.step, inp.metrics)
 
 
 @activity.defn(name="finish_run")
+@temporal_errors
 def finish_run(inp: FinishInput) -> FinishOutput:
     """Export the final policy and release the run's actors."""
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
-    pools = pools_for(inp.run)
+    actors = actors_for(inp.run)
     uri = ""
-    ranks = pools.trainers(inp.policy_version)
+    ranks = actors.trainers(inp.policy_version)
     _settle_last_checkpoint(inp.run.run_id, ranks)  # the last upload lands first
     if cfg.checkpoint.export_final:
-        uri = wait([a.export.remote("final/model") for a in ranks])[0]
-    killed = pools.shutdown()
+        uri = wait([a.export.remote(RunLayout.FINAL_MODEL) for a in ranks])[0]
+    killed = actors.shutdown()
     log.info("run %s finished; released %s", inp.run.run_id, ", ".join(killed))
     return FinishOutput(final_policy_uri=uri)
 
 
 @activity.defn(name="release_run")
+@temporal_errors
 def release_run(inp: ReleaseInput) -> ReleaseOutput:
     """Kill the run's actors, however the run ended (the workflow calls it on failure and
     cancellation too): a failed run must not keep its CPUs from the next one."""

@@ -120,7 +120,7 @@ async def _connect_temporal(client_cls, settings: WorkerSettings, timeout_s: flo
 async def _sweep_leftover_actors(client) -> None:
     """Release the actors of runs that closed without releasing them (a run terminated
     from outside, a worker that died with its run); a failed sweep never stops the worker."""
-    from ratchet.activities.pools import sweep_closed_runs
+    from ratchet.activities.sweep import sweep_closed_runs
 
     try:
         released = await sweep_closed_runs(client)

@@ -16,6 +16,8 @@ import torch
 from ratchet.algorithms import remax_baselines
 from ratchet.storage import BatchStore
 
+from .columns import Fields, Parts, part_name
+
 TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs", "policy_version", "prompt_index")
 
 
@@ -48,13 +50,13 @@ class RolloutBatch:
             samples=[self.samples[i] for i in idx.tolist()],
         )
 
-    def save(self, store: BatchStore, step: int, name: str = "rollout") -> str:
-        return store.write(step, name, {n: getattr(self, n) for n in TENSOR_FIELDS}, {"samples": self.samples})
+    def save(self, store: BatchStore, step: int, name: str = Parts.ROLLOUT) -> str:
+        return store.write(step, name, {n: getattr(self, n) for n in TENSOR_FIELDS}, {Fields.SAMPLES: self.samples})
 
     @classmethod
-    def load(cls, store: BatchStore, step: int, name: str = "rollout") -> "RolloutBatch":
+    def load(cls, store: BatchStore, step: int, name: str = Parts.ROLLOUT) -> "RolloutBatch":
         tensors, meta = store.read(step, name)
-        return cls(**{n: tensors[n] for n in TENSOR_FIELDS}, samples=meta["samples"])
+        return cls(**{n: tensors[n] for n in TENSOR_FIELDS}, samples=meta[Fields.SAMPLES])
 
     @classmethod
     def concat(cls, parts: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
@@ -82,18 +84,13 @@ class RolloutBatch:
         )
 
 
-def part_name(base: str, part: int) -> str:
-    """File names of a step's rollout rounds: `rollout`, `rollout-1`, ... (DAPO refills add rounds)."""
-    return base if part == 0 else f"{base}-{part}"
+def save_scores(store: BatchStore, step: int, rewards: torch.Tensor, extras: list[dict], name: str = Parts.SCORES) -> str:
+    return store.write(step, name, {Fields.REWARD: rewards.float()}, {Fields.EXTRAS: extras})
 
 
-def save_scores(store: BatchStore, step: int, rewards: torch.Tensor, extras: list[dict], name: str = "scores") -> str:
-    return store.write(step, name, {"reward": rewards.float()}, {"extras": extras})
-
-
-def load_scores(store: BatchStore, step: int, name: str = "scores") -> tuple[torch.Tensor, list[dict]]:
+def load_scores(store: BatchStore, step: int, name: str = Parts.SCORES) -> tuple[torch.Tensor, list[dict]]:
     tensors, meta = store.read(step, name)
-    return tensors["reward"], meta["extras"]
+    return tensors[Fields.REWARD], meta[Fields.EXTRAS]
 
 
 @dataclass
@@ -107,12 +104,12 @@ class ScoredStep:
 
 def load_step(store: BatchStore, step: int, parts: int = 1) -> ScoredStep:
     # Padding positions are masked out everywhere, so any valid id (0) can fill them.
-    batches = [RolloutBatch.load(store, step, part_name("rollout", p)) for p in range(parts)]
-    rewards = torch.cat([load_scores(store, step, part_name("scores", p))[0] for p in range(parts)])
+    batches = [RolloutBatch.load(store, step, part_name(Parts.ROLLOUT, p)) for p in range(parts)]
+    rewards = torch.cat([load_scores(store, step, part_name(Parts.SCORES, p))[0] for p in range(parts)])
     batch = RolloutBatch.concat(batches, pad_id=0)
     baseline = None
-    if store.has(step, part_name("baseline-scores", 0)):
-        greedy = [RolloutBatch.load(store, step, part_name("baseline", p)).prompt_index for p in range(parts)]
-        scores = [load_scores(store, step, part_name("baseline-scores", p))[0] for p in range(parts)]
+    if store.has(step, part_name(Parts.BASELINE_SCORES, 0)):
+        greedy = [RolloutBatch.load(store, step, part_name(Parts.BASELINE, p)).prompt_index for p in range(parts)]
+        scores = [load_scores(store, step, part_name(Parts.BASELINE_SCORES, p))[0] for p in range(parts)]
         baseline = remax_baselines(batch.prompt_index, torch.cat(greedy), torch.cat(scores))
     return ScoredStep(batch=batch, rewards=rewards, baseline_rewards=baseline)

@@ -9,7 +9,7 @@ the clipped value loss.
 The critic's state is part of every checkpoint (`critic/critic.safetensors`: value model
 and AdamW state, tensors only; `critic/critic.json`: the update count and the optimizer's
 hyper-parameters), so a lost critic is rebuilt like the trainer: the checkpoint, then its
-logged updates replayed on their stored values and returns (activities/recovery.py).
+logged updates replayed on their stored values and returns (workers/actors/recovery.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ratchet.errors import NonFiniteError
 from ratchet.storage import BatchStore, ObjectStore
 
 from .batch import RolloutBatch, load_step
+from .columns import Fields, Parts
 from .hf_io import local_hf_path
 from .runtime import configure_worker_process
 
@@ -162,7 +163,7 @@ class CriticWorker:
         if self._updated is not None and self._updated[0] >= step:
             return self.run.uri(f"{store.step_key(step)}/values.safetensors")  # kept: these values trained the policy
         batch = load_step(store, step, parts).batch
-        return store.write(step, "values", {"values": self.trainer.values(batch)}, {})
+        return store.write(step, Parts.VALUES, {Fields.VALUES: self.trainer.values(batch)}, {})
 
     def update(self, step: int, parts: int) -> dict[str, float]:
         if self._updated is not None and self._updated[0] == step:
@@ -170,8 +171,8 @@ class CriticWorker:
         t0 = time.perf_counter()
         store = BatchStore(self.run)
         batch = load_step(store, step, parts).batch
-        old_values = store.read(step, "values")[0]["values"]
-        returns = store.read(step, "advantages")[0]["returns"]
+        old_values = store.read(step, Parts.VALUES)[0][Fields.VALUES]
+        returns = store.read(step, Parts.ADVANTAGES)[0][Fields.RETURNS]
         metrics = self.trainer.update(batch, old_values, returns)
         metrics["critic_seconds"] = time.perf_counter() - t0
         self._updated = (step, metrics)

@@ -12,8 +12,10 @@ from ratchet.config.schema import RunConfig
 from ratchet.storage import BatchStore, ObjectStore
 from ratchet.tasks.loading import load_reward_fn
 
-from .batch import RolloutBatch, part_name, save_scores
+from .batch import RolloutBatch, save_scores
+from .columns import Parts, part_name
 from .hf_io import local_hf_path
+from .results import ScoreResult
 from .runtime import configure_worker_process
 from .scoring import RewardModelScorer, check_finite_rewards, score_batch
 
@@ -46,22 +48,21 @@ class RewardWorker:
         check_finite_rewards(total, batch.samples, step, "the reward mix (reward.function_weight, reward.model_weight)")
         return total, extras
 
-    def score(self, step: int, kind: str = "batches", part: int = 0) -> dict:
+    def score(self, step: int, kind: str = "batches", part: int = 0) -> ScoreResult:
         t0 = time.perf_counter()
         store = BatchStore(self.run, kind)
-        batch = RolloutBatch.load(store, step, part_name("rollout", part))
+        batch = RolloutBatch.load(store, step, part_name(Parts.ROLLOUT, part))
         rewards, extras = self._rewards(batch, step)
-        save_scores(store, step, rewards, extras, part_name("scores", part))
-        baseline_name = part_name("baseline", part)
+        save_scores(store, step, rewards, extras, part_name(Parts.SCORES, part))
+        baseline_name = part_name(Parts.BASELINE, part)
         if store.has(step, baseline_name):  # ReMax: the greedy baseline responses
             base_rewards, base_extras = self._rewards(RolloutBatch.load(store, step, baseline_name), step)
-            save_scores(store, step, base_rewards, base_extras, part_name("baseline-scores", part))
+            save_scores(store, step, base_rewards, base_extras, part_name(Parts.BASELINE_SCORES, part))
         keep = dynamic_sampling_keep(rewards, batch.prompt_index)
-        return {
-            "reward_mean": float(rewards.mean().item()),
-            "reward_std": float(rewards.std().item()) if len(rewards) > 1 else 0.0,
-            "num_samples": len(rewards),
-            # Groups whose rewards differ: the ones that teach GRPO-style estimators something.
-            "informative_groups": int(torch.unique(batch.prompt_index[keep]).numel()),
-            "seconds": time.perf_counter() - t0,
-        }
+        return ScoreResult(
+            reward_mean=float(rewards.mean().item()),
+            reward_std=float(rewards.std().item()) if len(rewards) > 1 else 0.0,
+            num_samples=len(rewards),
+            informative_groups=int(torch.unique(batch.prompt_index[keep]).numel()),
+            seconds=time.perf_counter() - t0,
+        )

@@ -27,12 +27,13 @@ from safetensors import numpy as safetensors_numpy
 
 from ratchet.algorithms import ADV_ESTIMATORS
 from ratchet.config.schema import RunConfig
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage import BatchStore, ObjectStore, RunLayout
 
-from .batch import part_name
+from .columns import Parts, part_name
 from .engines import ENGINES, SamplingParams
 from .hf_io import local_hf_path
 from .prompts import PromptSet
+from .results import EvalBatchResult, GenerateResult
 from .rollout_batching import generate_batch, prompt_indices
 from .runtime import configure_worker_process
 
@@ -63,7 +64,9 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.version
 
-    def generate(self, step: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0, exact: bool = False) -> dict:
+    def generate(
+        self, step: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0, exact: bool = False
+    ) -> GenerateResult:
         with self._generation(swappable=True) as (version, swap):
             # Newer weights than asked for are fine (a sync landed first, or the worker was
             # recreated from the trainer): the batch records the versions it really used.
@@ -72,7 +75,7 @@ class RolloutWorker:
                 raise RuntimeError(f"rollout worker holds policy v{version}, asked for v{policy_version}")
             return self._generate(step, prompt_start, prompt_count, version, part, swap)
 
-    def _generate(self, step: int, prompt_start: int, prompt_count: int, version: int, part: int, swap) -> dict:
+    def _generate(self, step: int, prompt_start: int, prompt_count: int, version: int, part: int, swap) -> GenerateResult:
         r = self.cfg.rollout
         params = SamplingParams(
             n=r.n,
@@ -91,22 +94,20 @@ class RolloutWorker:
             # ReMax: one greedy response per prompt, scored as the baseline of its group.
             greedy = replace(params, n=1, greedy=True)
             baseline = generate_batch(self.engine, self.train, indices, greedy, policy_version=self.version, pad_id=pad, weight_swap=swap)
-            baseline.save(store, step, part_name("baseline", part))
+            baseline.save(store, step, part_name(Parts.BASELINE, part))
         seconds = time.perf_counter() - t0
-        uri = batch.save(store, step, part_name("rollout", part))
+        uri = batch.save(store, step, part_name(Parts.ROLLOUT, part))
         lengths = batch.response_mask.sum(-1)
-        tokens = batch.response_mask > 0
-        return {
-            "policy_version": version,  # the version it started with: the oldest of its tokens
-            "policy_version_max": int(batch.policy_version[tokens].max().item()) if tokens.any() else version,
-            "uri": uri,
-            "num_samples": len(batch),
-            "num_response_tokens": int(lengths.sum().item()),
-            "response_length_mean": float(lengths.float().mean().item()),
-            "generate_seconds": seconds,
-        }
+        return GenerateResult(
+            uri=uri,
+            num_samples=len(batch),
+            num_response_tokens=int(lengths.sum().item()),
+            response_length_mean=float(lengths.float().mean().item()),
+            generate_seconds=seconds,
+            policy_version=version,
+        )
 
-    def generate_eval(self, step: int, size: int) -> dict:
+    def generate_eval(self, step: int, size: int) -> EvalBatchResult:
         """Greedy answers to the first `size` eval prompts, stored under `evals/`."""
         if self.eval is None:
             raise RuntimeError("no data.eval_files configured")
@@ -115,7 +116,7 @@ class RolloutWorker:
         # An evaluation measures one version: no weight swap inside it.
         with self._generation(swappable=False) as (version, _):
             batch = generate_batch(self.engine, self.eval, indices, params, policy_version=version, pad_id=self.engine.pad_id)
-        return {"uri": batch.save(BatchStore(self.run, "evals"), step), "num_samples": len(batch), "policy_version": version}
+        return EvalBatchResult(uri=batch.save(BatchStore(self.run, "evals"), step), num_samples=len(batch), policy_version=version)
 
     def load_weights(self, weights: Mapping[str, np.ndarray], version: int) -> int:
         """Serve `weights` as policy `version`; returns the bytes received. During a
@@ -195,15 +196,15 @@ class RolloutWorker:
                 self._cv.notify_all()
 
 
-POLICY_LOG = "policy_log"
+POLICY_LOG = RunLayout.POLICY_LOG
 
 
 def policy_log_key(version: int) -> str:
-    return f"{POLICY_LOG}/v{version:08d}.safetensors"
+    return RunLayout.policy_log(version)
 
 
 def _logged_version(key: str) -> int:
-    return int(key.rsplit("/", 1)[-1][1:].split(".", 1)[0])
+    return RunLayout.policy_log_version(key)
 
 
 def _hf_weights(model_dir) -> dict[str, np.ndarray]:

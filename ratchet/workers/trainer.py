@@ -4,7 +4,7 @@ the policy is sharded with FSDP2.
 
 Every update is logged (`train_log/v<version>.json`: which stored batch, how many parts,
 the KL coefficient), so a lost trainer is rebuilt from the last checkpoint plus a replay
-of the updates after it (activities/recovery.py). Checkpoints are taken without stalling
+of the updates after it (workers/actors/recovery.py). Checkpoints are taken without stalling
 training for the upload: a snapshot of the state is copied to memory, and a background
 thread writes it (torch.distributed.checkpoint), exports the policy in Hugging Face
 format, uploads the folder and commits its manifest last (storage/checkpoint_store.py).
@@ -26,29 +26,31 @@ import ray
 
 from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
-from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
+from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
 
 from .batch import load_step
+from .columns import Fields, Parts
 from .hf_io import local_hf_path, save_hf
 from .local_paths import staging_dir
 from .policy_update import PolicyTrainer, check_finite_weights
+from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult
 from .runtime import configure_worker_process
 
 
 log = logging.getLogger(__name__)
 
-TRAIN_LOG = "train_log"
+TRAIN_LOG = RunLayout.TRAIN_LOG
 # `published_weights` answers from a thread of its own, while an update runs.
 TRAINER_CONCURRENCY_GROUPS = {"published": 1}
 
 
 def train_log_key(policy_version: int) -> str:
     """The record of the update that turned policy v`policy_version` into the next one."""
-    return f"{TRAIN_LOG}/v{policy_version:08d}.json"
+    return RunLayout.train_log(policy_version)
 
 
 def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}"
+    return RunLayout.checkpoint_name(step)
 
 
 def free_port() -> int:
@@ -98,14 +100,14 @@ class TrainerWorker:
         self.trainer = trainer
         return self._num_parameters
 
-    def setup_info(self) -> dict:
+    def setup_info(self) -> SetupInfo:
         """Whether this rank is set up, in which world; for a retried start_workers."""
-        return {
-            "ready": self.trainer is not None,
-            "world_size": self.world_size,
-            "num_parameters": self._num_parameters,
-            "process_group_inits": self.process_group_inits,
-        }
+        return SetupInfo(
+            ready=self.trainer is not None,
+            world_size=self.world_size,
+            num_parameters=self._num_parameters,
+            process_group_inits=self.process_group_inits,
+        )
 
     def policy_version(self) -> int:
         """The version held; -1 before `setup` finished (a half-built rank is rebuilt)."""
@@ -122,7 +124,7 @@ class TrainerWorker:
         """The latest published (version, weights ObjectRef), or None."""
         return self._published
 
-    def train(self, step: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None) -> dict:
+    def train(self, step: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None) -> TrainResult:
         """Update policy v`policy_version` on `step`. A retried activity whose first attempt
         already updated the policy gets that update's result instead of a second update.
         `optimizer` (lr, betas, weight_decay): the settings a logged update used, for a
@@ -139,7 +141,7 @@ class TrainerWorker:
                 raise RuntimeError(f"trainer holds policy v{self.trainer.version}, asked to train v{policy_version}")
             data = load_step(store, step, parts)
             apply_optimizer_hyperparameters(self.trainer, hyper)
-            values = store.read(step, "values")[0]["values"] if store.has(step, "values") else None
+            values = store.read(step, Parts.VALUES)[0][Fields.VALUES] if store.has(step, Parts.VALUES) else None
             try:
                 result = self.trainer.train_step(data, kl_coef=kl_coef, values=values)
             except NonFiniteError as e:
@@ -148,12 +150,12 @@ class TrainerWorker:
             if self.cfg.uses_partial_rollouts:
                 self._publish()
         if self.rank == 0:
-            store.write(step, "advantages", {"advantages": result.advantages, "returns": result.returns}, {})
+            store.write(step, Parts.ADVANTAGES, {Fields.ADVANTAGES: result.advantages, Fields.RETURNS: result.returns}, {})
             self.run.put_json(
                 train_log_key(policy_version), {"batch": step, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper}
             )
         result.metrics["train_seconds"] = time.perf_counter() - t0
-        return {"policy_version": self.trainer.version, "metrics": result.metrics, "kl_coef": result.kl_coef}
+        return TrainResult(policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef)
 
     def save_state(self, local_dir: str, extra: dict) -> dict:
         """Write the trainer state (weights, AdamW state, version, RNG; sharded, with
@@ -183,7 +185,7 @@ class TrainerWorker:
 
     def start_checkpoint(
         self, step: int, run_state: dict, extra_files: dict[str, bytes] | None = None, foreground: bool = False
-    ) -> dict:
+    ) -> CheckpointStarted:
         """Snapshot the state (the only stall), then write, export and upload it in the
         background (with `foreground`, before returning; its error, if any, is returned).
         Every rank calls (the snapshot and the write are collectives); rank 0 adds
@@ -192,7 +194,7 @@ class TrainerWorker:
         one replaces it."""
         from .checkpointing import snapshot
 
-        waited = self.wait_checkpoint()["seconds"]  # one checkpoint in flight at a time
+        waited = self.wait_checkpoint().seconds  # one checkpoint in flight at a time
         t0 = time.perf_counter()
         name = checkpoint_name(step)
         meta = {"step": step, "policy_version": self.trainer.version, "world_size": self.world_size}
@@ -209,41 +211,40 @@ class TrainerWorker:
         else:
             self._checkpointing = threading.Thread(target=self._write_checkpoint, args=args, daemon=True)
             self._checkpointing.start()
-        return {
-            "name": name,
-            "stall_seconds": stall,
-            "waited_seconds": waited,
-            "policy_version": self.trainer.version,
-            "error": self._checkpoint_error if foreground else None,
-        }
+        return CheckpointStarted(
+            name=name,
+            stall_seconds=stall,
+            waited_seconds=waited,
+            policy_version=self.trainer.version,
+            error=self._checkpoint_error if foreground else None,
+        )
 
-    def redo_checkpoint(self) -> dict:
+    def redo_checkpoint(self) -> CheckpointOutcome:
         """Take the latest checkpoint again, in the foreground, if it failed on any rank
         (every rank calls; the write is a collective) and the trainer still holds its
         version. Returns its error (None: committed) and whether a redo was impossible."""
         self.wait_checkpoint()
         if self._checkpoint_request is None:
-            return {"error": None, "impossible": False}
+            return CheckpointOutcome(error=None)
         step, run_state, extra_files, version = self._checkpoint_request
         if self.trainer.version != version:
-            return {
-                "error": f"checkpoint {checkpoint_name(step)} failed ({self._checkpoint_error}) and cannot be taken again: "
+            return CheckpointOutcome(
+                error=f"checkpoint {checkpoint_name(step)} failed ({self._checkpoint_error}) and cannot be taken again: "
                 f"the trainer has trained on from v{version} to v{self.trainer.version}",
-                "impossible": True,
-            }
-        out = self.start_checkpoint(step, run_state, extra_files, foreground=True)
-        return {"error": out["error"], "impossible": False}
+                impossible=True,
+            )
+        return CheckpointOutcome(error=self.start_checkpoint(step, run_state, extra_files, foreground=True).error)
 
     def _write_checkpoint(self, snap, full_state, name: str, meta: dict, run_state: dict, extra_files: dict[str, bytes]) -> None:
         from .checkpointing import write_snapshot
 
         local = staging_dir(self.run.root.rpartition("/")[2], name)
         try:
-            write_snapshot(snap, local / "trainer")  # all ranks; done everywhere on return
+            write_snapshot(snap, local / RunLayout.TRAINER_STATE)  # all ranks; done everywhere on return
             if self.rank != 0:
                 return
-            self._export_local(full_state, local / "hf")
-            (local / "run_state.json").write_text(json.dumps(run_state, sort_keys=True))
+            self._export_local(full_state, local / RunLayout.CHECKPOINT_HF)
+            (local / RunLayout.RUN_STATE).write_text(json.dumps(run_state, sort_keys=True))
             for rel, data in extra_files.items():
                 (local / rel).parent.mkdir(parents=True, exist_ok=True)
                 (local / rel).write_bytes(data)
@@ -267,18 +268,18 @@ class TrainerWorker:
         model.save_pretrained(out, safe_serialization=True)
         AutoTokenizer.from_pretrained(self.policy_path).save_pretrained(out)
 
-    def wait_checkpoint(self) -> dict:
+    def wait_checkpoint(self) -> CheckpointOutcome:
         """Wait for the checkpoint in flight (if any) to be committed; the latest
         checkpoint's error, if it failed (it stays until another checkpoint is taken)."""
         t0 = time.perf_counter()
         if self._checkpointing is not None:
             self._checkpointing.join()
             self._checkpointing = None
-        return {"seconds": time.perf_counter() - t0, "error": self._checkpoint_error}
+        return CheckpointOutcome(error=self._checkpoint_error, seconds=time.perf_counter() - t0)
 
     def restore(self, local_dir: str) -> int:
         """Load a downloaded checkpoint's trainer state (any world size); the version it holds."""
-        return self.load_state(str(Path(local_dir) / "trainer"))["version"]
+        return self.load_state(str(Path(local_dir) / RunLayout.TRAINER_STATE))["version"]
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """Full weights on rank 0 (every rank must call: unsharding is a collective)."""

@@ -38,6 +38,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError, FailureError
 
+from ratchet.errors import NON_RETRYABLE
 from ratchet.types import (
     BatchRef,
     CheckpointInput,
@@ -80,7 +81,7 @@ RETRY = RetryPolicy(
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=30),
     maximum_attempts=5,
-    non_retryable_error_types=["ConfigError", "WorkerLost", "RewardLoadError"],
+    non_retryable_error_types=list(NON_RETRYABLE),
 )
 # Activities heartbeat every second while they wait on Ray (activities/ray_calls.py); a
 # worker process that died is noticed after `loop.heartbeat_timeout_s`, not after the

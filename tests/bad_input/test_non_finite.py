@@ -146,7 +146,7 @@ def test_nan_weights_are_never_checkpointed_or_synced(tiny_model, tmp_path):
         next(worker.trainer.model.parameters())[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match=r"policy v0 \(checkpoint step-00000001\) hold NaN/inf values"):
         worker.start_checkpoint(1, {"next_step": 1})
-    assert worker.wait_checkpoint()["error"] is None  # nothing was started
+    assert worker.wait_checkpoint().error is None  # nothing was started
     assert CheckpointStore(run).list() == []
     with pytest.raises(NonFiniteError, match=r"\(to be synced\) hold NaN/inf values"):
         worker.weights()

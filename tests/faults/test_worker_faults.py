@@ -17,6 +17,7 @@ from ratchet.models.tiny import VOCAB
 from ratchet.platform.client import RECIPE_PATH
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
 from ratchet.workers.batch import RolloutBatch, save_scores
+from ratchet.workers.results import CheckpointOutcome
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -90,13 +91,13 @@ def test_failed_checkpoint_upload_is_kept_until_reported_and_redone(tiny_model, 
     worker = trainer_worker(tiny_model, run)
     worker.train(0, 0, 0.0)
     worker.start_checkpoint(1, {"next_step": 1})
-    first = worker.wait_checkpoint()["error"]
+    first = worker.wait_checkpoint().error
     assert first and first.startswith("checkpoint step-00000001 failed on trainer rank 0:")
-    assert worker.wait_checkpoint()["error"] == first, "the failure stays until another checkpoint replaces it"
+    assert worker.wait_checkpoint().error == first, "the failure stays until another checkpoint replaces it"
     again = worker.redo_checkpoint()
-    assert again["error"] and not again["impossible"]
+    assert again.error and not again.impossible
     blocker.unlink()  # storage is back: the redo commits the same checkpoint
-    assert worker.redo_checkpoint() == {"error": None, "impossible": False}
+    assert worker.redo_checkpoint() == CheckpointOutcome(error=None, impossible=False)
     assert [c.name for c in CheckpointStore(run).list()] == ["step-00000001"]
     # Once the trainer trained on, the failed state is gone: a redo says so.
     (tmp_path / "run" / "checkpoints").rename(tmp_path / "kept")
@@ -105,8 +106,8 @@ def test_failed_checkpoint_upload_is_kept_until_reported_and_redone(tiny_model, 
     worker.wait_checkpoint()
     worker.train(0, 1, 0.0)  # the stored step once more, as update v1 -> v2
     out = worker.redo_checkpoint()
-    assert out["impossible"] and out["error"].startswith("checkpoint step-00000002 failed (checkpoint step-00000002 failed on")
-    assert out["error"].endswith("cannot be taken again: the trainer has trained on from v1 to v2")
+    assert out.impossible and out.error.startswith("checkpoint step-00000002 failed (checkpoint step-00000002 failed on")
+    assert out.error.endswith("cannot be taken again: the trainer has trained on from v1 to v2")
 
 
 def test_resume_applies_the_configs_optimizer_settings(tiny_model, tmp_path):
@@ -251,10 +252,10 @@ def test_actor_errors_are_classified_by_their_cause(ray_driver):
 
 
 def test_check_resources_refuses_when_other_runs_hold_the_cpus(platform, ray_driver):
-    from temporalio.exceptions import ApplicationError
-
-    from ratchet.activities.pools import NAMESPACE, RunPools
+    from ratchet.activities.translate import domain_error
     from ratchet.config import load_config
+    from ratchet.errors import ResourcesUnavailable
+    from ratchet.workers.actors import NAMESPACE, RunActors
 
     ray = ray_driver
 
@@ -270,10 +271,11 @@ def test_check_resources_refuses_when_other_runs_hold_the_cpus(platform, ray_dri
         ray.get(hog.ping.remote())
         wait_until(lambda: ray.available_resources().get("CPU", 0.0) < 0.5, timeout=30)  # the view catches up
         cfg = load_config(RECIPE_PATH, platform.overrides(*TINY))
-        with pytest.raises(ApplicationError) as info:
-            RunPools("needs-cpus", str(platform.runs_root / "needs-cpus"), cfg).check_resources(settle_s=1.0)
-        text = info.value.message
-        assert info.value.type == "ResourcesUnavailable" and info.value.non_retryable
+        with pytest.raises(ResourcesUnavailable) as info:
+            RunActors("needs-cpus", str(platform.runs_root / "needs-cpus"), cfg).check_resources(settle_s=1.0)
+        text = str(info.value)
+        failure = domain_error(info.value)  # what the activity fails with
+        assert failure.type == "ResourcesUnavailable" and failure.non_retryable and failure.message == text
         assert "needs 1 Ray CPUs" in text and "run other-run: other-run/trainer-0" in text
         assert "ratchet stop RUN" in text and "resources.trainer_cpus" in text
     finally:
@@ -281,19 +283,19 @@ def test_check_resources_refuses_when_other_runs_hold_the_cpus(platform, ray_dri
 
 
 def test_retried_start_trainers_reuses_the_process_group(platform, ray_driver, tmp_path):
-    """start_workers' pool logic twice with 2 ranks: no second init_process_group, and the
+    """start_workers' actor logic twice with 2 ranks: no second init_process_group, and the
     group still works (an unsharding collective)."""
-    from ratchet.activities.pools import RunPools, release_run_actors
     from ratchet.config import load_config
+    from ratchet.workers.actors import Role, RunActors, release_run_actors
 
     cfg = load_config(RECIPE_PATH, platform.overrides(*TINY, "trainer.world_size=2"))
-    pools = RunPools("pg-retry", str(tmp_path / "pg-retry"), cfg)
+    actors = RunActors("pg-retry", str(tmp_path / "pg-retry"), cfg)
     try:
-        count = pools.start_trainers(str(platform.assets.model))
-        assert pools.start_trainers(str(platform.assets.model)) == count > 0
-        ranks = [pools._find("trainer", r) for r in range(2)]
+        count = actors.start_trainers(str(platform.assets.model))
+        assert actors.start_trainers(str(platform.assets.model)) == count > 0
+        ranks = [actors.find(Role.TRAINER, r) for r in range(2)]
         infos = ray_driver.get([a.setup_info.remote() for a in ranks])
-        assert [i["process_group_inits"] for i in infos] == [1, 1]
+        assert [i.process_group_inits for i in infos] == [1, 1]
         state = ray_driver.get([a.weights.remote() for a in ranks])
         assert state[1] is None and sum(v.size for v in state[0].values()) == count
     finally:
@@ -301,7 +303,8 @@ def test_retried_start_trainers_reuses_the_process_group(platform, ray_driver, t
 
 
 def test_worker_start_sweeps_the_actors_of_closed_runs(platform, ray_driver):
-    from ratchet.activities.pools import NAMESPACE, run_actor_names, sweep_closed_runs
+    from ratchet.activities.sweep import sweep_closed_runs
+    from ratchet.workers.actors import NAMESPACE, run_actor_names
 
     client = platform.client
     handle = client.submit(RECIPE_PATH, platform.overrides(*TINY, "loop.steps=200", "tracking.name=sweep"))
@@ -325,13 +328,13 @@ def test_worker_start_sweeps_the_actors_of_closed_runs(platform, ray_driver):
         assert sorted(n.split("/")[1] for n in released[handle.run_id]) == ["reward-0", "rollout-0", "trainer-0"]
         assert handle.run_id not in run_actor_names()
     finally:
-        from ratchet.activities.pools import release_run_actors
+        from ratchet.workers.actors import release_run_actors
 
         release_run_actors(handle.run_id)
 
 
 def test_nan_reward_fails_the_run_in_its_first_step(platform, ray_driver, tmp_path):
-    from ratchet.activities.pools import run_actor_names
+    from ratchet.workers.actors import run_actor_names
 
     reward = reward_file(tmp_path, "    return float('nan') if '1' in ground_truth else 0.5\n")
     handle = platform.client.submit(

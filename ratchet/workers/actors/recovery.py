@@ -15,100 +15,94 @@ import logging
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
-from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
-from ratchet.errors import WORKER_LOST
+from ratchet.errors import WorkerLost
 from ratchet.storage import CheckpointStore, ObjectStore
-from ratchet.workers.critic import CRITIC_META, CRITIC_STATE
-from ratchet.workers.trainer import train_log_key
 
-from .ray_calls import heartbeating, wait
+from ..critic import CRITIC_META, CRITIC_STATE
+from ..trainer import train_log_key
+from .names import Role
+
+if TYPE_CHECKING:
+    from .run_actors import RunActors
 
 log = logging.getLogger(__name__)
 
 
-def _heartbeat(msg: str) -> None:
-    """Progress of a long download: a checkpoint of a large model takes minutes to fetch."""
-    if activity.in_activity():
-        activity.heartbeat(msg)
-
-
-def restore_trainers(pools, expected_version: int) -> list:
+def restore_trainers(actors: RunActors, expected_version: int) -> list:
     """Fresh trainer ranks holding policy v`expected_version`; returns them."""
     t0 = time.perf_counter()
-    pools.kill_trainers()  # a survivor of a broken process group cannot rejoin it
-    pools.start_trainers(pools.initial_policy())
-    ranks = [pools._find("trainer", r) for r in range(pools.cfg.trainer.world_size)]
-    store = ObjectStore(pools.run_uri)
+    actors.kill_trainers()  # a survivor of a broken process group cannot rejoin it
+    actors.start_trainers(actors.initial_policy())
+    ranks = actors.trainer_ranks()
+    store = ObjectStore(actors.run_uri)
     checkpoints = CheckpointStore(store)
     version, source = 0, "the initial policy"
     # Checkpoints are named by step, and every step is one update: step == version.
     with tempfile.TemporaryDirectory(prefix="ratchet-restore-") as tmp:
         # A folder per try: a corrupted download's files must not mix with the next one's.
-        # The heartbeats of `progress` come per file; `heartbeating` covers one long file.
-        with heartbeating("downloading a checkpoint to restore the trainer"):
+        # Progress comes per file; `busy` covers one long file.
+        with actors.waiter.busy("downloading a checkpoint to restore the trainer"):
             found = checkpoints.newest_good(
-                lambda info: checkpoints.download(info.name, Path(tmp) / info.name, progress=_heartbeat), max_step=expected_version
+                lambda info: checkpoints.download(info.name, Path(tmp) / info.name, progress=actors.waiter.progress),
+                max_step=expected_version,
             )
         if found is not None:
             ckpt = found[0]
-            version = wait([a.restore.remote(str(Path(tmp) / ckpt.name)) for a in ranks])[0]
+            version = actors.wait([a.restore.remote(str(Path(tmp) / ckpt.name)) for a in ranks])[0]
             source = f"checkpoint {ckpt.name}"
-    for entry, v in _logged_updates(pools, store, version, expected_version):
+    for entry, v in _logged_updates(actors, store, version, expected_version):
         # With the optimizer settings the update used (a resume may have changed them since).
-        wait([a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"], entry.get("optimizer")) for a in ranks])
+        actors.wait([a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"], entry.get("optimizer")) for a in ranks])
     log.warning(
         "run %s: trainer rebuilt at v%d from %s and %d replayed updates in %.1f s",
-        pools.run_id, expected_version, source, expected_version - version, time.perf_counter() - t0,
+        actors.run_id, expected_version, source, expected_version - version, time.perf_counter() - t0,
     )  # fmt: skip
     return ranks
 
 
-def _logged_updates(pools, store: ObjectStore, start: int, end: int):
-    """(train log entry, version) of the updates v`start` .. v`end - 1`, heartbeating."""
+def _logged_updates(actors: RunActors, store: ObjectStore, start: int, end: int):
+    """(train log entry, version) of the updates v`start` .. v`end - 1`, reporting progress."""
     for v in range(start, end):
         try:
             entry = store.get_json(train_log_key(v))
         except FileNotFoundError:
-            raise ApplicationError(
-                f"run {pools.run_id}: cannot rebuild the run's state: update v{v} was not logged ({train_log_key(v)} is missing)",
-                type=WORKER_LOST,
-                non_retryable=True,
+            raise WorkerLost(
+                f"run {actors.run_id}: cannot rebuild the run's state: update v{v} was not logged ({train_log_key(v)} is missing)"
             ) from None
         yield entry, v
-        if activity.in_activity():
-            activity.heartbeat(f"replayed update v{v}")
+        actors.waiter.progress(f"replayed update v{v}")
 
 
-def restore_critic(pools, expected_version: int):
+def restore_critic(actors: RunActors, expected_version: int):
     """A fresh critic updated as often as policy v`expected_version`: the critic's files of
     the last good checkpoint at or before it (none: the initial critic), then the logged
     updates after it. Returns the actor."""
     t0 = time.perf_counter()
-    old = pools._find("critic")
+    old = actors.find(Role.CRITIC)
     if old is not None:
         ray.kill(old, no_restart=True)
-        pools.wait_name_free(pools.name("critic"))
-    critic = pools.start_critic()
-    store = ObjectStore(pools.run_uri)
+        actors.wait_name_free(actors.name(Role.CRITIC))
+    critic = actors.start_critic()
+    store = ObjectStore(actors.run_uri)
     checkpoints = CheckpointStore(store)
     version, source = 0, "the initial critic"
     # Checkpoints of a run without a critic (or from before critics were saved) hold none.
-    with heartbeating("reading the critic's state to restore it"):
+    with actors.waiter.busy("reading the critic's state to restore it"):
         found = checkpoints.newest_good(
             lambda info: checkpoints.read_files(info.name, [CRITIC_STATE, CRITIC_META]) if CRITIC_STATE in info.files else None,
             max_step=expected_version,
         )
     if found is not None and found[1] is not None:
-        version = wait(critic.load_state_files.remote(found[1]))
+        version = actors.wait(critic.load_state_files.remote(found[1]))
         source = f"checkpoint {found[0].name}"
-    for entry, _ in _logged_updates(pools, store, version, expected_version):
-        wait(critic.update.remote(entry["batch"], entry["parts"]))
+    for entry, _ in _logged_updates(actors, store, version, expected_version):
+        actors.wait(critic.update.remote(entry["batch"], entry["parts"]))
     log.warning(
         "run %s: critic rebuilt at v%d from %s and %d replayed updates in %.1f s",
-        pools.run_id, expected_version, source, expected_version - version, time.perf_counter() - t0,
+        actors.run_id, expected_version, source, expected_version - version, time.perf_counter() - t0,
     )  # fmt: skip
     return critic

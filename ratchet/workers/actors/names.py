@@ -1,0 +1,111 @@
+"""Named, detached actors: finding them, and releasing a run's actors.
+
+Actors are named `<run id>/<role>-<rank>` in the `ratchet` namespace and detached, so a
+restarted Temporal worker process finds the same actors instead of orphaning them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+
+import ray
+
+from ratchet.ids import is_valid_id
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "ratchet"
+
+
+class Role:
+    """The actor roles of a run (the `<role>` in an actor's name)."""
+
+    TRAINER = "trainer"
+    ROLLOUT = "rollout"
+    REWARD = "reward"
+    CRITIC = "critic"
+
+
+def actor_name(run_id: str, role: str, rank: int = 0) -> str:
+    return f"{run_id}/{role}-{rank}"
+
+
+def role_of(name: str) -> str:
+    """`trainer` for `run/trainer-1`."""
+    return name.partition("/")[2].rpartition("-")[0]
+
+
+def find_named(name: str):
+    """The live actor of that name, or None."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def wait_name_free(name: str, timeout_s: float = 30.0) -> None:
+    """The kill of a named actor is asynchronous: wait until the name is free, or a new
+    actor created with get_if_exists would be the dying one."""
+    deadline = time.monotonic() + timeout_s
+    while find_named(name) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def kill_named(names: list[str]) -> None:
+    """Kill these actors (a missing one is skipped) and wait until their names are free."""
+    for name in names:
+        actor = find_named(name)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+    for name in names:
+        wait_name_free(name)
+
+
+def run_actor_names() -> dict[str, list[str]]:
+    """Named actors in the `ratchet` namespace by run id (the name before '/')."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        run_id, sep, _ = entry["name"].partition("/")
+        if entry["namespace"] == NAMESPACE and sep and is_valid_id(run_id):
+            out[run_id].append(entry["name"])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def release_run_actors(run_id: str, *, timeout_s: float = 30.0) -> list[str]:
+    """Kill every named actor of run `run_id` (whatever roles and world size it had) and
+    wait for their names to be free; returns the names killed. Needs no config, so it
+    works on every way out of a run, also when the run failed before its config was stored."""
+    prefix = f"{run_id}/"
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE or not entry["name"].startswith(prefix):
+            continue
+        try:
+            ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            continue  # gone meanwhile
+        killed.append(entry["name"])
+    deadline = time.monotonic() + timeout_s
+    for name in killed:
+        while find_named(name) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return killed
+
+
+async def release_closed_runs(run_is_open: Callable[[str], Awaitable[bool]]) -> dict[str, list[str]]:
+    """Release the actors of every run that `run_is_open` says is closed: a worker that
+    died with its run, or a run terminated from outside, leaves detached actors that hold
+    their CPUs forever otherwise. Returns {run id: actor names killed}. The caller knows
+    how to tell an open run (a Temporal query); this layer does not."""
+    runs = await asyncio.to_thread(run_actor_names)
+    released = {}
+    for run_id in sorted(runs):
+        if await run_is_open(run_id):
+            continue
+        released[run_id] = await asyncio.to_thread(release_run_actors, run_id)
+        log.warning("run %s is closed; released its leftover actors %s", run_id, ", ".join(released[run_id]))
+    return released

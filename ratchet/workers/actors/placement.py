@@ -1,0 +1,138 @@
+"""Placing a run's actors: are the CPUs free, and did a node take the actor?
+
+A run whose CPUs are not free fails at once (`ResourcesUnavailable`, naming who holds
+them), not after waiting for placement forever.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from ratchet.config.schema import RunConfig
+from ratchet.errors import ResourcesUnavailable
+
+from .names import NAMESPACE, Role, actor_name, role_of, run_actor_names, wait_name_free
+from .waiting import Waiter
+
+# An actor that no node could place in this long fails its activity instead of waiting
+# forever; a placed actor may then take as long as its constructor needs.
+PLACEMENT_TIMEOUT_S = 60.0
+# Freed CPUs reach Ray's resource view a moment after the kill that freed them.
+RESOURCE_SETTLE_S = 10.0
+_POLL_S = 0.5
+
+
+def actor_pid(actor) -> int | None:
+    """The worker process id of an actor; 0 while no node has placed it, None if unknown.
+    (Ray's private actor table: the public state API needs the dashboard.)"""
+    try:
+        from ray._private import state
+
+        return int(state.actors(actor_id=actor._actor_id.hex()).get("Pid", 0) or 0)
+    except Exception:  # noqa: BLE001 - an older or newer Ray: no placement check
+        return None
+
+
+def actor_env(cfg: RunConfig) -> dict:
+    threads = str(cfg.resources.torch_threads)
+    return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}
+
+
+def role_cpus(cfg: RunConfig) -> dict[str, float]:
+    r = cfg.resources
+    return {Role.TRAINER: r.trainer_cpus, Role.ROLLOUT: r.rollout_cpus, Role.REWARD: r.reward_cpus, Role.CRITIC: r.critic_cpus}
+
+
+def needed_cpus(cfg: RunConfig) -> float:
+    r = cfg.resources
+    need = r.trainer_cpus * cfg.trainer.world_size + r.rollout_cpus + r.reward_cpus
+    return need + (r.critic_cpus if cfg.uses_critic else 0.0)
+
+
+def holders_text(run_id: str) -> str:
+    others = {k: v for k, v in run_actor_names().items() if k != run_id}
+    held = "; ".join(f"run {k}: {', '.join(v)}" for k, v in others.items()) or "no other run's actors"
+    return (
+        f"actors of other runs in the cluster: {held}. Stop the runs you no longer need (`ratchet stop RUN`), "
+        "or lower resources.trainer_cpus / rollout_cpus / reward_cpus / critic_cpus (or trainer.world_size)"
+    )
+
+
+def check_resources(run_id: str, cfg: RunConfig, waiter: Waiter, settle_s: float = RESOURCE_SETTLE_S) -> None:
+    """Fail at once, not after waiting for placement forever, when the CPUs the run
+    needs are not free: Ray's free CPUs plus what this run's own actors already hold (a
+    restore or a retry kills or reuses them). Waits up to `settle_s` for CPUs that a kill
+    just freed to show up."""
+    need = needed_cpus(cfg)
+    per_role = role_cpus(cfg)
+    total = ray.cluster_resources().get("CPU", 0.0)
+    deadline = time.monotonic() + settle_s
+    while True:
+        own = sum(per_role.get(role_of(n), 0.0) for n in run_actor_names().get(run_id, []))
+        free = ray.available_resources().get("CPU", 0.0)
+        if need <= free + own + 1e-9 or need > total or time.monotonic() >= deadline:
+            break
+        waiter.progress("waiting for free CPUs")
+        time.sleep(_POLL_S)
+    if need <= free + own + 1e-9:
+        return
+    what = (
+        "resources.trainer_cpus x trainer.world_size + resources.rollout_cpus + resources.reward_cpus "
+        "[+ resources.critic_cpus]"
+    )
+    if need > total:
+        msg = (
+            f"run {run_id} needs {need:g} Ray CPUs ({what}) but the cluster has {total:g}; "
+            "lower the resources.* values or add nodes"
+        )
+    else:
+        msg = (
+            f"run {run_id} needs {need:g} Ray CPUs ({what}) but only {free + own:g} of the cluster's {total:g} are "
+            f"free ({free:g} free + {own:g} held by this run's own actors); {holders_text(run_id)}"
+        )
+    raise ResourcesUnavailable(msg)
+
+
+def create_actor(
+    run_id: str, cfg: RunConfig, waiter: Waiter, cls, role: str, rank: int, num_cpus: float, *args,
+    concurrency: int = 1, groups: dict | None = None,
+):  # fmt: skip
+    """The run's detached actor `role`-`rank` (the live one if it exists), once a node
+    has placed it."""
+    name = actor_name(run_id, role, rank)
+    options = dict(
+        name=name,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=num_cpus,
+        max_concurrency=concurrency,
+        runtime_env=actor_env(cfg),
+    )
+    remote_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
+    actor = remote_cls.options(**options).remote(*args)
+    wait_placed(run_id, actor, name, num_cpus, waiter)
+    return actor
+
+
+def wait_placed(run_id: str, actor, name: str, num_cpus: float, waiter: Waiter, timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+    """Until a node runs the actor (not until its constructor is done). An actor that
+    cannot be placed is killed (so it never takes CPUs later) and ResourcesUnavailable
+    names who holds the CPUs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid = actor_pid(actor)
+        if pid is None or pid > 0:
+            return
+        if time.monotonic() >= deadline:
+            break
+        waiter.progress(f"waiting for a node to place {name}")
+        time.sleep(_POLL_S)
+    ray.kill(actor, no_restart=True)
+    wait_name_free(name)
+    raise ResourcesUnavailable(
+        f"run {run_id}: no Ray node could place actor {name} ({num_cpus:g} CPUs) within {timeout_s:g} s; "
+        f"{holders_text(run_id)}"
+    )

@@ -1,0 +1,266 @@
+"""The Ray actors of one run as worker-layer objects: created once, found again by name,
+rebuilt when lost, kept at the policy version the workflow expects.
+
+The workflow owns the run state (DESIGN.md, rule 4): a caller names the policy version it
+expects, and a worker that was lost or holds another version is recreated and brought up
+to date (from the trainer, or from the last checkpoint and the logged updates: recovery.py).
+Failures are domain errors (ratchet.errors); the caller decides how to report them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import ray
+
+from ratchet.config.schema import RunConfig
+from ratchet.errors import RewardTimeout, WorkerLost
+from ratchet.storage import ObjectStore
+
+from ..critic import CriticWorker
+from ..results import ScoreResult
+from ..reward import RewardWorker
+from ..rollout import RolloutWorker
+from ..trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
+from . import placement
+from .names import Role, actor_name, find_named, kill_named, release_run_actors, run_actor_names, wait_name_free
+from .waiting import PlainWaiter, Waiter, WaitTimeout
+
+log = logging.getLogger(__name__)
+
+# How long a trainer rank that survived an earlier start may take to answer.
+PROBE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class RunActors:
+    run_id: str
+    run_uri: str
+    cfg: RunConfig
+    waiter: Waiter = field(default_factory=PlainWaiter)
+
+    def wait(self, refs, *, timeout_s: float | None = None):
+        return self.waiter.wait(refs, timeout_s=timeout_s)
+
+    def name(self, role: str, rank: int = 0) -> str:
+        return actor_name(self.run_id, role, rank)
+
+    def find(self, role: str, rank: int = 0):
+        """The live actor `role`-`rank` of this run, or None."""
+        return find_named(self.name(role, rank))
+
+    def _create(self, cls, role: str, rank: int, num_cpus: float, *args, concurrency: int = 1, groups: dict | None = None):
+        return placement.create_actor(
+            self.run_id, self.cfg, self.waiter, cls, role, rank, num_cpus, *args, concurrency=concurrency, groups=groups
+        )
+
+    def check_resources(self, settle_s: float = placement.RESOURCE_SETTLE_S) -> None:
+        """ResourcesUnavailable at once when the CPUs the run needs are not free."""
+        placement.check_resources(self.run_id, self.cfg, self.waiter, settle_s)
+
+    def initial_policy(self) -> str:
+        """The weights RL starts from: the warmed-up model if the run has a warm-up."""
+        return ObjectStore(self.run_uri).uri("warmup/model") if self.cfg.warmup.steps > 0 else self.cfg.model.path
+
+    # -- trainer -------------------------------------------------------------------------
+
+    def start_trainers(self, policy_path: str) -> int:
+        """Create and set up every trainer rank; returns the parameter count. Idempotent: a
+        retried start reuses ranks that are all set up; ranks left half set up (a process
+        group that may be broken) are killed and all ranks made afresh, since a surviving
+        rank cannot join a new group."""
+        world = self.cfg.trainer.world_size
+        survivors = [self.find(Role.TRAINER, r) for r in range(world)]
+        if any(a is not None for a in survivors):
+            count = self._set_up_count(survivors)
+            if count is not None:
+                log.info("run %s: trainer ranks already set up; reusing them", self.run_id)
+                return count
+            log.warning("run %s: trainer ranks half set up; recreating all %d", self.run_id, world)
+            self.kill_trainers()
+        ranks = [
+            self._create(
+                TrainerWorker, Role.TRAINER, r, self.cfg.resources.trainer_cpus, self.cfg, policy_path, self.run_uri, r, world,
+                groups=TRAINER_CONCURRENCY_GROUPS,
+            )  # fmt: skip
+            for r in range(world)
+        ]
+        port = self.wait(ranks[0].rendezvous_port.remote())
+        counts = self.wait([a.setup.remote(port) for a in ranks])
+        return counts[0]
+
+    def _set_up_count(self, ranks: list) -> int | None:
+        """The parameter count if every rank exists and is set up (in one group), else None."""
+        if any(a is None for a in ranks):
+            return None
+        try:
+            infos = self.wait([a.setup_info.remote() for a in ranks], timeout_s=PROBE_TIMEOUT_S)
+        except (WaitTimeout, ray.exceptions.RayError):
+            return None  # busy (stuck in a collective) or dead
+        if all(i.ready and i.world_size == len(ranks) for i in infos):
+            return infos[0].num_parameters
+        return None
+
+    def trainer_ranks(self) -> list:
+        """The live trainer ranks (None for a missing one), without any version check."""
+        return [self.find(Role.TRAINER, r) for r in range(self.cfg.trainer.world_size)]
+
+    def trainers(self, expected_version: int, *, retrying_update: bool = False, at_least: bool = False) -> list:
+        """The trainer ranks, holding `expected_version` (or, for a retried train attempt
+        whose first try already updated, the version after it; with `at_least`, any newer
+        one). Ranks that were lost or hold another version are rebuilt from the last
+        checkpoint and the logged updates after it (recovery.py)."""
+        from .recovery import restore_trainers
+
+        ranks = self.trainer_ranks()
+        if all(a is not None for a in ranks):
+            try:
+                held = self.wait(ranks[0].policy_version.remote())
+            except ray.exceptions.RayError:
+                held = None  # died just now, or broken: rebuilt below
+            if held == expected_version or (retrying_update and held == expected_version + 1):
+                return ranks
+            if at_least and held is not None and held > expected_version:
+                return ranks
+            log.warning("run %s: trainer holds v%s, the workflow expects v%d; restoring", self.run_id, held, expected_version)
+        else:
+            log.warning("run %s: a trainer rank is gone; restoring it", self.run_id)
+        return restore_trainers(self, expected_version)
+
+    def kill_trainers(self) -> None:
+        """Every trainer rank of the run, whatever world size it was started with."""
+        prefix = self.name(Role.TRAINER, 0)[:-1]
+        kill_named([n for n in run_actor_names().get(self.run_id, []) if n.startswith(prefix)])
+
+    def wait_name_free(self, name: str, timeout_s: float = 30.0) -> None:
+        wait_name_free(name, timeout_s)
+
+    # -- rollout and reward --------------------------------------------------------------
+
+    def start_rollout(self, policy_path: str):
+        # Partial rollouts: a weight sync is received while a generation runs (a second thread).
+        concurrency = 2 if self.cfg.uses_partial_rollouts else 1
+        return self._create(
+            RolloutWorker, Role.ROLLOUT, 0, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri,
+            concurrency=concurrency,
+        )  # fmt: skip
+
+    def start_reward(self, policy_path: str):
+        return self._create(RewardWorker, Role.REWARD, 0, self.cfg.resources.reward_cpus, self.cfg, policy_path, self.run_uri)
+
+    def rollout(self, expected_version: int, *, exact: bool = False):
+        """The rollout worker at `expected_version` or newer (a sync may land before the
+        workflow hears of it), or with `exact` at that version only; recreated and synced
+        if it was lost."""
+        actor = self.find(Role.ROLLOUT)
+        if actor is None:
+            log.warning("run %s: rollout worker lost; recreating it", self.run_id)
+            actor = self.start_rollout(self.initial_policy())
+        held = self.wait(actor.policy_version.remote())
+        if exact and held != expected_version:
+            # A deterministic run: the version its schedule names, from the policy log, or
+            # from the trainer if it holds that version now.
+            if not self.wait(actor.serve_logged.remote(expected_version)):
+                pushed = self._push_weights(self.trainers(expected_version, at_least=True), actor)[1]
+                if pushed != expected_version:
+                    raise WorkerLost(
+                        f"run {self.run_id}: policy v{expected_version} is not in the policy log and the trainer holds v{pushed}"
+                    )
+        elif held < expected_version:
+            # A recreated worker serves v0: bring it to what the trainer holds now, which in
+            # fully_async may be newer than this batch asked for (the batch records it).
+            self._push_weights(self.trainers(expected_version, at_least=True), actor)
+        return actor
+
+    def start_critic(self):
+        return self._create(CriticWorker, Role.CRITIC, 0, self.cfg.resources.critic_cpus, self.cfg, self.run_uri)
+
+    def critic(self, expected_version: int, *, retrying_update: bool = False):
+        """The critic, updated as often as policy v`expected_version` was (or once more, for
+        a retried train attempt whose first try got that far); lost or out of step, it is
+        rebuilt from the last checkpoint and the logged updates after it (recovery.py)."""
+        from .recovery import restore_critic
+
+        actor = self.find(Role.CRITIC)
+        if actor is not None:
+            try:
+                held = self.wait(actor.policy_version.remote())
+            except ray.exceptions.RayError:
+                held = None
+            if held == expected_version or (retrying_update and held == expected_version + 1):
+                return actor
+            log.warning("run %s: the critic holds v%s, the workflow expects v%d; restoring", self.run_id, held, expected_version)
+        else:
+            log.warning("run %s: the critic is gone; restoring it", self.run_id)
+        return restore_critic(self, expected_version)
+
+    def reward(self):
+        """The reward worker, constructed (its time limit covers scoring only)."""
+        actor = self.find(Role.REWARD) or self.start_reward(self.initial_policy())
+        self.wait(actor.__ray_ready__.remote())
+        return actor
+
+    def score(self, step: int, kind: str = "batches", part: int = 0) -> ScoreResult:
+        """Score a stored batch within `reward.timeout_s`; past it, the reward worker is
+        killed (the next attempt makes a fresh one) and RewardTimeout is raised."""
+        timeout_s = self.cfg.reward.timeout_s
+        actor = self.reward()
+        try:
+            return self.wait(actor.score.remote(step, kind, part), timeout_s=timeout_s)
+        except WaitTimeout:
+            ray.kill(actor, no_restart=True)
+            self.wait_name_free(self.name(Role.REWARD))
+            raise RewardTimeout(
+                f"run {self.run_id}: scoring {kind} step {step} took longer than reward.timeout_s={timeout_s:g} s; the "
+                "reward worker was killed and the next attempt uses a new one. Fix a reward function that hangs, or "
+                "raise reward.timeout_s"
+            ) from None
+
+    def sync_weights(self, version: int) -> tuple[int, int]:
+        """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> the
+        rollout engine; returns (bytes moved, the version synced)."""
+        target = self.find(Role.ROLLOUT) or self.start_rollout(self.initial_policy())
+        if self.cfg.uses_partial_rollouts:
+            pushed = self._push_published(target, at_least=version)
+            if pushed is not None:
+                return pushed
+        return self._push_weights(self.trainers(version, at_least=True), target)
+
+    def _push_published(self, target, at_least: int) -> tuple[int, int] | None:
+        """fully_async with partial rollouts, where a sync overlaps the next update: the
+        weights rank 0 published at the end of its last update, read without queueing
+        behind the update running now. None (use `_push_weights`) when there are none of
+        v`at_least` or newer, or the trainer is gone."""
+        rank0 = self.find(Role.TRAINER, 0)
+        if rank0 is None:
+            return None
+        try:
+            published = self.wait(rank0.published_weights.remote())
+        except ray.exceptions.RayError:
+            return None
+        if published is None or published[0] < at_least:
+            return None
+        version, ref = published
+        return self.wait(target.load_weights.remote(ref, version)), version
+
+    def _push_weights(self, ranks: list, target) -> tuple[int, int]:
+        """Through Ray's object store (never via this process: the ObjectRef is passed on and
+        resolved in the rollout actor). Returns (bytes moved, version)."""
+        while True:
+            # Calls from one caller run in order on an actor; an update from another caller
+            # may land between them, and then the versions before and after differ.
+            before = ranks[0].policy_version.remote()
+            refs = [a.weights.remote() for a in ranks]
+            after = ranks[0].policy_version.remote()
+            version, again = self.wait([before, after])
+            if version == again:
+                break
+        received = self.wait(target.load_weights.remote(refs[0], version))
+        self.wait(refs[1:])
+        return received, version
+
+    def shutdown(self) -> list[str]:
+        """Kill every actor of the run, whatever world size it had, and wait until their
+        names (and so their CPUs) are free: the next run's check_resources counts on it."""
+        return release_run_actors(self.run_id)
