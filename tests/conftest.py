@@ -61,7 +61,7 @@ class Platform:
 @pytest.fixture(scope="session")
 def platform(assets):
     from ratchet.platform.client import Client
-    from ratchet.platform.demo import start_worker_process, stop_worker_process
+    from ratchet.platform.demo import start_worker_process, stop_worker_process, wait_until_serving
     from ratchet.platform.services import ServiceSettings, down, temporal_address, up
 
     # Short path: Ray's unix socket paths must stay under 107 characters.
@@ -72,6 +72,7 @@ def platform(assets):
     # A killed worker stalls its workflow for the sticky timeout; keep it short in tests.
     os.environ["RATCHET_STICKY_TIMEOUT_S"] = "1"
     worker = start_worker_process(settings)
+    wait_until_serving(settings, worker)  # its start-up sweep is over: test actors are safe
     client = Client.connect(temporal_address(settings))
     try:
         yield Platform(settings=settings, client=client, runs_root=state / "runs", assets=assets)

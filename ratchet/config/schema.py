@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # The catalogs (names and estimator flags, engines, storage schemes, loop modes) import no
-# torch, so validating a config does not either (tests/test_config.py checks it).
+# torch, so validating a config does not either (tests/unit/test_config.py checks it).
 from ratchet.algorithms.catalog import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
 from ratchet.storage import schemes
 from ratchet.storage.layout import RunLayout

@@ -37,6 +37,22 @@ def start_worker_process(settings: ServiceSettings) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "ratchet.platform.worker"], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+def wait_until_serving(settings: ServiceSettings, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Block until the worker process polls its task queue (it logs "worker on ..." after
+    joining Ray and Temporal and sweeping the actors of closed runs), so that nothing a
+    caller creates next is taken for a leftover by that sweep."""
+    log_path = Path(settings.state_dir) / "logs" / "worker.log"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the worker process exited with code {proc.returncode}; see {log_path}")
+        lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+        if any(" worker on " in line and f"pid {proc.pid}" in line for line in lines):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the worker process did not start serving within {timeout_s:.0f} s; see {log_path}")
+
+
 def stop_worker_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

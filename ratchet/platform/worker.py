@@ -147,7 +147,9 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
             pass
     with ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity") as executor:
         worker = build_worker(client, settings, executor)
-        log.info("worker on %s (queue %s), Ray at %s", settings.temporal_address, settings.task_queue, settings.ray_address)
+        log.info(
+            "worker on %s (queue %s), Ray at %s, pid %d", settings.temporal_address, settings.task_queue, settings.ray_address, os.getpid()
+        )
         async with worker:
             await stop.wait()
             log.info("shutting down")

@@ -3,7 +3,7 @@
 A run lives in `<storage.root>/<run_id>/`; the keys below are relative to that folder and
 are exactly the keys older ratchet versions wrote, so old run folders still read. Code
 that reads or writes a run folder takes its keys from `RunLayout`, never from a literal;
-`tests/test_layout.py` pins every key to its string. The table in
+`tests/unit/test_layout.py` pins every key to its string. The table in
 `docs/architecture.md` ("Run folder") is this module in prose.
 
 Stdlib only: the client and the CLI import it without torch or the storage clients.

@@ -7,8 +7,8 @@ here, naming them all when it refuses one.
 To add a backend (say `gs://`): write a class that fulfils `backends.Backend` (single
 attempts on full paths; atomic writes; FileNotFoundError for a missing object), and a
 function `open_x(url, *, part_size, concurrency) -> (backend, root path)` next to
-`open_fsspec` in fsspec_backend.py; add its line below; run tests/test_storage.py's store tests
-against it (they take a store) and add a line to tests/test_registries.py's table check.
+`open_fsspec` in fsspec_backend.py; add its line below; run tests/unit/test_storage.py's store tests
+against it (they take a store) and add a line to tests/unit/test_registries.py's table check.
 
 This module imports nothing outside the standard library: an entry names its opener as
 "module:function", imported when a store is opened, so the config schema reads the table

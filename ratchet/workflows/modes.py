@@ -4,9 +4,9 @@ A mode is a coroutine method of `TrainingWorkflow` (workflows/training.py) that 
 steps of one run segment and returns True when the run should continue as new; the
 workflow calls the method this table names, and the config schema accepts exactly these
 names. To add one: write the method (its scheduling maths as pure functions in
-scheduling.py, unit-tested in tests/test_scheduling.py), add its line below, and add an
-end-to-end run in tests/test_async.py (or test_e2e.py) that trains in the new mode.
-tests/test_registries.py checks that the table and the workflow's methods agree.
+scheduling.py, unit-tested in tests/unit/test_scheduling.py), add its line below, and add an
+end-to-end run in tests/e2e/test_async.py (or test_e2e.py) that trains in the new mode.
+tests/unit/test_registries.py checks that the table and the workflow's methods agree.
 
 Standard library only: the config schema and the Temporal sandbox both import it.
 """

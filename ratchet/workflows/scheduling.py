@@ -6,7 +6,7 @@ of the work in flight, and a step's metrics line. The schedule itself is describ
 docstring of ratchet/workflows/training.py.
 
 Pure and deterministic, standard library and `ratchet.types` only: the workflow imports
-this module inside the Temporal sandbox, and tests/test_scheduling.py checks it with
+this module inside the Temporal sandbox, and tests/unit/test_scheduling.py checks it with
 numbers, without a server.
 """
 

@@ -246,7 +246,18 @@ def test_actor_errors_are_classified_by_their_cause(ray_driver):
     with pytest.raises(ApplicationError) as info:
         wait(BrokenInit.remote().ping.remote())
     assert info.value.type == "RewardLoadError" and info.value.non_retryable and "/nowhere/reward.py" in info.value.message
-    ray.kill(actor)
+    ray.kill(actor, no_restart=True)
+
+    def dead() -> bool:  # the kill is asynchronous: a call sent just after may still run
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            pass
+        return False
+
+    wait_until(dead, timeout=30)
     with pytest.raises(ray.exceptions.RayActorError):  # an actor that died: retryable
         wait(actor.config.remote())
 

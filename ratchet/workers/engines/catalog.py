@@ -2,7 +2,7 @@
 
 To add an engine (say vLLM): write a class that fulfils `Engine` (base.py) in a module of
 this folder, constructed as `cls(model_path, *, dtype=...)` with `dtype` one of
-`model.dtype`'s values; add its line below; test it like tests/test_workers.py tests
+`model.dtype`'s values; add its line below; test it like tests/unit/test_workers.py tests
 `HFEngine` (samples seeded, greedy, log-probs matching the trainer's). The line is the
 registration: the config schema accepts the name, and `RolloutWorker` and `LocalLoop`
 build the engine from it.
@@ -10,7 +10,7 @@ build the engine from it.
 This module imports no torch: an entry names its class as "module:Class", imported on
 first use (`ENGINES.get(name)`), so the config schema checks `rollout.engine` in a client
 or CLI process that never loads torch or transformers.
-tests/test_registries.py::test_every_engine_entry_imports_and_fulfils_the_protocol imports
+tests/unit/test_registries.py::test_every_engine_entry_imports_and_fulfils_the_protocol imports
 every entry, so a misspelt one fails there rather than in a run.
 """
 

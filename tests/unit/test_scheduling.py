@@ -1,6 +1,6 @@
 """The training workflow's scheduling maths (ratchet/workflows/scheduling.py), with numbers
 worked out by hand. No server, no Ray, no torch; the loop modes' ordering through the real
-workflow is in tests/test_loop_modes.py."""
+workflow is in tests/integration/test_loop_modes.py."""
 
 from __future__ import annotations
 

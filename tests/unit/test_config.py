@@ -369,7 +369,7 @@ def test_importing_config_does_not_import_torch() -> None:
     names, storage schemes and loop modes against torch-free catalogs
     (ratchet/algorithms/catalog.py, workers/engines/catalog.py, storage/schemes.py,
     workflows/modes.py), and load none of the heavy libraries behind them."""
-    example = Path(__file__).resolve().parents[1] / "examples" / "copy_grpo.yaml"
+    example = Path(__file__).resolve().parents[2] / "examples" / "copy_grpo.yaml"
     heavy = ("torch", "numpy", "transformers", "safetensors", "fsspec", "s3fs", "minio", "ray", "temporalio")
     code = textwrap.dedent(
         f"""\

@@ -3,7 +3,7 @@ measured on the tokens themselves, every prompt exactly once, and pause / resume
 through the client.
 
 The scheduling of every mode (ordering, staleness and queue bounds, pause and stop in
-each mode, one_step_off's overlap) is covered in seconds by tests/test_loop_modes.py with
+each mode, one_step_off's overlap) is covered in seconds by tests/integration/test_loop_modes.py with
 stand-in activities; what stays here is what stand-ins cannot show: the version of each
 generated token, the trainer's staleness histogram, and a real export after a stop."""
 

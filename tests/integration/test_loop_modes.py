@@ -2,7 +2,7 @@
 with stand-in activities registered under the workflow's activity names
 (tests/faults/standins.py) that record each call and the versions it was given. They answer
 at once (or after a set `delay`, to let work overlap), so a change to a loop mode is checked
-in seconds, without Ray or torch; the end-to-end runs are in tests/test_async.py.
+in seconds, without Ray or torch; the end-to-end runs are in tests/e2e/test_async.py.
 
 One dev server serves the module; each run has its own worker and task queue.
 """
@@ -18,7 +18,7 @@ import pytest_asyncio
 from ratchet import types as t
 from ratchet.workflows import scheduling as sched
 
-from .faults.standins import StandIns, dev_server, plan, run_on, training_input
+from ..faults.standins import StandIns, dev_server, plan, run_on, training_input
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

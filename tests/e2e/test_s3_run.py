@@ -23,7 +23,7 @@ from ratchet.platform.demo import start_worker_process, stop_worker_process
 from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
 from ratchet.storage import CheckpointStore, ObjectStore
 
-from .s3_server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
+from ..s3_server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
 
 pytestmark = pytest.mark.integration
 
