@@ -8,8 +8,7 @@ are imported on first use, so the config schema validates names without loading 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ratchet.lazy import lazy_exports
 
 from .catalog import (
     ADV_ESTIMATORS,
@@ -43,7 +42,7 @@ _LAZY = {
     "off_policy": ("OffPolicyCorrection", "level_log_ratio", "off_policy_correction"),
     "policy_losses": ("LossParams", "TokenLoss", "cispo_bounds", "entropy_from_logits", "value_clipped", "value_loss"),
 }
-_HOME = {name: module for module, names in _LAZY.items() for name in names}
+_LAZY_NAMES, __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = sorted(
     [
@@ -58,19 +57,6 @@ __all__ = sorted(
         "register_loss_agg",
         "register_off_policy",
         "register_policy_loss",
-        *_HOME,
+        *_LAZY_NAMES,
     ]
 )
-
-
-def __getattr__(name: str) -> Any:
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

@@ -22,6 +22,13 @@ from typing import TYPE_CHECKING, Callable
 
 from .registry import Registry, decorator, resolve
 
+
+def register_all(registry: Registry, module: str, functions: dict[str, str]) -> None:
+    """Register each config name -> `module:function`, imported on first use."""
+    for name, function in functions.items():
+        registry.register(name, f"{module}:{function}")
+
+
 if TYPE_CHECKING:
     from .advantages import AdvInputs, AdvOutput, AdvParams
 
@@ -61,11 +68,7 @@ def register_adv_estimator(name: str, *, needs_group: bool = False, needs_critic
 # algorithm.policy_loss; fn(logprob, old_logprob, advantages, mask, LossParams) -> TokenLoss
 
 POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
-_LOSS = "ratchet.algorithms.policy_losses:"
-POLICY_LOSSES.register("ppo_clip", _LOSS + "ppo_clip")
-POLICY_LOSSES.register("dual_clip", _LOSS + "dual_clip")
-POLICY_LOSSES.register("gspo", _LOSS + "gspo")
-POLICY_LOSSES.register("cispo", _LOSS + "cispo")
+register_all(POLICY_LOSSES, "ratchet.algorithms.policy_losses", {"ppo_clip": "ppo_clip", "dual_clip": "dual_clip", "gspo": "gspo", "cispo": "cispo"})
 
 
 def register_policy_loss(name: str):
@@ -76,11 +79,16 @@ def register_policy_loss(name: str):
 # algorithm.loss_agg_mode; fn(loss [B, T], mask [B, T], Normaliser) -> scalar
 
 LOSS_AGGREGATIONS: Registry[Callable] = Registry("loss aggregation")
-_AGG = "ratchet.algorithms.aggregation:"
-LOSS_AGGREGATIONS.register("token-mean", _AGG + "token_mean")
-LOSS_AGGREGATIONS.register("seq-mean-token-sum", _AGG + "seq_mean_token_sum")
-LOSS_AGGREGATIONS.register("seq-mean-token-mean", _AGG + "seq_mean_token_mean")
-LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm", _AGG + "seq_mean_token_sum_norm")
+register_all(
+    LOSS_AGGREGATIONS,
+    "ratchet.algorithms.aggregation",
+    {
+        "token-mean": "token_mean",
+        "seq-mean-token-sum": "seq_mean_token_sum",
+        "seq-mean-token-mean": "seq_mean_token_mean",
+        "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+    },
+)
 
 
 def register_loss_agg(name: str):
@@ -106,12 +114,11 @@ def register_kl(name: str):
 # algorithm.off_policy.mode; fn(log_w [B, T], keep [B, T] bool, cap) -> off_policy.Decision
 
 OFF_POLICY: Registry[Callable] = Registry("off-policy correction")
-_OFF = "ratchet.algorithms.off_policy:"
-OFF_POLICY.register("none", _OFF + "no_correction")
-OFF_POLICY.register("tis", _OFF + "tis")
-OFF_POLICY.register("decoupled", _OFF + "decoupled")
-OFF_POLICY.register("bypass", _OFF + "bypass")
-OFF_POLICY.register("rejection", _OFF + "rejection")
+register_all(
+    OFF_POLICY,
+    "ratchet.algorithms.off_policy",
+    {"none": "no_correction", "tis": "tis", "decoupled": "decoupled", "bypass": "bypass", "rejection": "rejection"},
+)
 
 
 def register_off_policy(name: str):

@@ -85,20 +85,14 @@ def up(settings: ServiceSettings | None = None) -> ServicesStatus:
         _keep_running(settings, None if need_temporal else rec_t, None if need_ray else rec_r)
 
         # Remnants of recorded services that died or hang.
-        if need_temporal and rec_t:
-            logger.info(
-                "recorded Temporal (pid %s) is gone or unhealthy; restarting", rec_t.get("pid")
-            )
-            temporal_server.stop(rec_t, settings.stop_timeout_s)
-            services.pop("temporal", None)
-            save_state(settings, state)
-        if need_ray and rec_r:
-            logger.info(
-                "recorded Ray head (session %s) is gone or unhealthy; restarting", rec_r.get("sid")
-            )
-            ray_head.stop(rec_r, settings.stop_timeout_s)
-            services.pop("ray", None)
-            save_state(settings, state)
+        remnants = [("temporal", "Temporal", "pid", temporal_server, need_temporal), ("ray", "Ray head", "sid", ray_head, need_ray)]
+        for key, what, ident, module, needed in remnants:
+            rec = services.get(key)
+            if needed and rec:
+                logger.info("recorded %s (%s %s) is gone or unhealthy; restarting", what, ident, rec.get(ident))
+                module.stop(rec, settings.stop_timeout_s)
+                services.pop(key, None)
+                save_state(settings, state)
 
         _check_can_start(settings, need_temporal, need_ray)
         if need_temporal:
