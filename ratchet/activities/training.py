@@ -58,13 +58,11 @@ log = logging.getLogger(__name__)
 # Run states go into checkpoints as the same JSON Temporal would carry them in.
 PAYLOADS = temporalio.converter.default().payload_converter
 
-CONFIG_KEY = RunLayout.CONFIG
-
 
 @lru_cache(maxsize=64)
 def _run_config(run_uri: str, config_id: str = "") -> RunConfig:
     # A stored config never changes under its id (a resume with a new one gets a new id).
-    return RunConfig.model_validate(ObjectStore(run_uri).get_json(CONFIG_KEY))
+    return RunConfig.model_validate(ObjectStore(run_uri).get_json(RunLayout.CONFIG))
 
 
 def config_digest(config: dict) -> str:
@@ -83,7 +81,7 @@ def prepare_run(inp: PrepareInput) -> PrepareOutput:
     cfg = RunConfig.model_validate(inp.config)
     run_store = ObjectStore(cfg.storage.root).child(inp.run_id)
     stored = cfg.model_dump(mode="json")
-    run_store.put_json(CONFIG_KEY, stored)
+    run_store.put_json(RunLayout.CONFIG, stored)
     return PrepareOutput(run=RunRef(run_id=inp.run_id, run_uri=run_store.url, config_id=config_digest(stored)))
 
 

@@ -18,6 +18,7 @@ is validated, so the schema accepts the new name).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 from .registry import Registry, decorator, resolve
@@ -71,8 +72,7 @@ POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
 register_all(POLICY_LOSSES, "ratchet.algorithms.policy_losses", {"ppo_clip": "ppo_clip", "dual_clip": "dual_clip", "gspo": "gspo", "cispo": "cispo"})
 
 
-def register_policy_loss(name: str):
-    return decorator(POLICY_LOSSES, name)
+register_policy_loss = partial(decorator, POLICY_LOSSES)  # @register_policy_loss("name") on fn
 
 
 # --------------------------------------------------------------------------- loss aggregation
@@ -91,8 +91,7 @@ register_all(
 )
 
 
-def register_loss_agg(name: str):
-    return decorator(LOSS_AGGREGATIONS, name)
+register_loss_agg = partial(decorator, LOSS_AGGREGATIONS)  # @register_loss_agg("name") on fn
 
 
 # --------------------------------------------------------------------------- KL estimators
@@ -106,8 +105,7 @@ for _name, _fn in _KL_FUNCTIONS.items():
     KL_ESTIMATORS.register(_name + "+", f"ratchet.algorithms.kl:{_fn}_straight_through")
 
 
-def register_kl(name: str):
-    return decorator(KL_ESTIMATORS, name)
+register_kl = partial(decorator, KL_ESTIMATORS)  # @register_kl("name") on fn
 
 
 # --------------------------------------------------------------------------- off-policy corrections
@@ -121,6 +119,4 @@ register_all(
 )
 
 
-def register_off_policy(name: str):
-    """Register fn(log_w [B, T] at the configured level, keep [B, T] bool, cap) -> off_policy.Decision."""
-    return decorator(OFF_POLICY, name)
+register_off_policy = partial(decorator, OFF_POLICY)  # @register_off_policy("name") on fn

@@ -42,13 +42,13 @@ class RunLayout:
     EVALS: Final = "evals"
 
     # -- the policy's history -----------------------------------------------------------
-    # TrainerWorker.train writes one record per update; activities/recovery.py reads them to rebuild state.
+    # TrainerWorker.train writes one record per update; workers/actors/recovery.py reads them to rebuild state.
     TRAIN_LOG: Final = "train_log"
     # RolloutWorker writes the weights it is sent (deterministic runs, last few kept) and reads them back.
     POLICY_LOG: Final = "policy_log"
 
     # -- models (Hugging Face folders, committed by MODEL_MANIFEST written last) ---------
-    # workers/warmup.py writes the warmed-up policy; RunPools.initial_policy names it to every worker.
+    # workers/warmup.py writes the warmed-up policy; RunActors.initial_policy names it to every worker.
     WARMUP_MODEL: Final = "warmup/model"
     # workers/warmup.py writes the warm-up's first and last loss; a retried warm-up reads them back.
     WARMUP_LOSSES: Final = "warmup/losses.json"

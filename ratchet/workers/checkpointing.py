@@ -70,10 +70,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ratchet.storage import RunLayout
+
 if TYPE_CHECKING:
     from .policy_update import PolicyTrainer
 
-META_FILE = "trainer_meta.json"
 FORMAT = "ratchet-trainer-state/1"
 STATE_SUFFIX = ".safetensors"
 
@@ -233,16 +234,16 @@ def write_snapshot(snap: TrainerSnapshot, local_dir: str | Path) -> int:
     # Every rank clears what an earlier save left (the folder may be shared or per node);
     # nobody writes before all have (the barrier).
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob(f"*{STATE_SUFFIX}"), out / META_FILE]:
+    for stale in [*out.glob(f"*{STATE_SUFFIX}"), out / RunLayout.TRAINER_META]:
         stale.unlink(missing_ok=True)
     if distributed:
         dist.barrier(group=snap.process_group)
     writer = HuggingFaceStorageWriter(str(out), save_distributed=True)
     dcp.save(snap.state, storage_writer=writer, process_group=snap.process_group, no_dist=not distributed)
     if snap.rank == 0:
-        tmp = out / f".{META_FILE}.tmp"
+        tmp = out / f".{RunLayout.TRAINER_META}.tmp"
         tmp.write_text(json.dumps(snap.meta, indent=1, sort_keys=True))
-        os.replace(tmp, out / META_FILE)
+        os.replace(tmp, out / RunLayout.TRAINER_META)
     if distributed:
         dist.barrier(group=snap.process_group)  # the folder is complete on every rank's return
     return checkpoint_bytes(out)
@@ -272,7 +273,7 @@ def save_trainer_state(trainer: PolicyTrainer, local_dir: str | Path, extra: dic
 
 
 def read_meta(local_dir: str | Path) -> dict:
-    path = Path(local_dir) / META_FILE
+    path = Path(local_dir) / RunLayout.TRAINER_META
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {local_dir} holds no complete trainer state")
     meta = json.loads(path.read_text())

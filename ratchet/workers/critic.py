@@ -25,7 +25,7 @@ from safetensors.torch import save as st_save
 from ratchet.algorithms import masked_mean, value_clipped, value_loss
 from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage import BatchStore, ObjectStore, RunLayout
 
 from .batch import RolloutBatch, load_step
 from .columns import Fields, Parts
@@ -111,14 +111,14 @@ class CriticTrainer:
             for key, t in entry.items():
                 tensors[f"optim/{idx}/{key}"] = t.detach().clone().contiguous()
         meta = {"format": CRITIC_FORMAT, "version": version, "param_groups": opt["param_groups"]}
-        return {CRITIC_STATE: st_save(tensors), CRITIC_META: json.dumps(meta, sort_keys=True).encode()}
+        return {RunLayout.CRITIC_STATE: st_save(tensors), RunLayout.CRITIC_META: json.dumps(meta, sort_keys=True).encode()}
 
     def load_state_files(self, files: dict[str, bytes]) -> int:
         """Restore what `state_files` wrote; returns the update count it holds."""
-        meta = json.loads(files[CRITIC_META])
+        meta = json.loads(files[RunLayout.CRITIC_META])
         if meta.get("format") != CRITIC_FORMAT:
-            raise ValueError(f"{CRITIC_META}: not a {CRITIC_FORMAT} file (format {meta.get('format')!r})")
-        tensors = st_load(files[CRITIC_STATE])
+            raise ValueError(f"{RunLayout.CRITIC_META}: not a {CRITIC_FORMAT} file (format {meta.get('format')!r})")
+        tensors = st_load(files[RunLayout.CRITIC_STATE])
         self.model.load_state_dict({k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")})
         state: dict[int, dict[str, torch.Tensor]] = {}
         for k, v in tensors.items():
@@ -131,8 +131,6 @@ class CriticTrainer:
         return int(meta["version"])
 
 
-CRITIC_STATE = "critic/critic.safetensors"
-CRITIC_META = "critic/critic.json"
 CRITIC_FORMAT = "ratchet-critic-state/1"
 
 
@@ -161,7 +159,7 @@ class CriticWorker:
     def compute_values(self, step: int, parts: int) -> str:
         store = BatchStore(self.run)
         if self._updated is not None and self._updated[0] >= step:
-            return self.run.uri(f"{store.step_key(step)}/values.safetensors")  # kept: these values trained the policy
+            return self.run.uri(store.key(step, Parts.VALUES))  # kept: these values trained the policy
         batch = load_step(store, step, parts).batch
         return store.write(step, Parts.VALUES, {Fields.VALUES: self.trainer.values(batch)}, {})
 

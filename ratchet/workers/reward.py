@@ -9,7 +9,7 @@ import torch
 
 from ratchet.algorithms import dynamic_sampling_keep
 from ratchet.config.schema import RunConfig
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage import BatchStore, ObjectStore, RunLayout
 from ratchet.tasks.loading import load_reward_fn
 
 from .batch import RolloutBatch, save_scores
@@ -48,7 +48,7 @@ class RewardWorker:
         check_finite_rewards(total, batch.samples, step, "the reward mix (reward.function_weight, reward.model_weight)")
         return total, extras
 
-    def score(self, step: int, kind: str = "batches", part: int = 0) -> ScoreResult:
+    def score(self, step: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
         t0 = time.perf_counter()
         store = BatchStore(self.run, kind)
         batch = RolloutBatch.load(store, step, part_name(Parts.ROLLOUT, part))

@@ -39,18 +39,8 @@ from .runtime import configure_worker_process
 
 log = logging.getLogger(__name__)
 
-TRAIN_LOG = RunLayout.TRAIN_LOG
 # `published_weights` answers from a thread of its own, while an update runs.
 TRAINER_CONCURRENCY_GROUPS = {"published": 1}
-
-
-def train_log_key(policy_version: int) -> str:
-    """The record of the update that turned policy v`policy_version` into the next one."""
-    return RunLayout.train_log(policy_version)
-
-
-def checkpoint_name(step: int) -> str:
-    return RunLayout.checkpoint_name(step)
 
 
 def free_port() -> int:
@@ -152,7 +142,7 @@ class TrainerWorker:
         if self.rank == 0:
             store.write(step, Parts.ADVANTAGES, {Fields.ADVANTAGES: result.advantages, Fields.RETURNS: result.returns}, {})
             self.run.put_json(
-                train_log_key(policy_version), {"batch": step, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper}
+                RunLayout.train_log(policy_version), {"batch": step, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper}
             )
         result.metrics["train_seconds"] = time.perf_counter() - t0
         return TrainResult(policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef)
@@ -196,7 +186,7 @@ class TrainerWorker:
 
         waited = self.wait_checkpoint().seconds  # one checkpoint in flight at a time
         t0 = time.perf_counter()
-        name = checkpoint_name(step)
+        name = RunLayout.checkpoint_name(step)
         meta = {"step": step, "policy_version": self.trainer.version, "world_size": self.world_size}
         full = {k: v.clone() for k, v in self.trainer.full_state().items()}  # for the HF export
         # Every rank holds the full weights here, so every rank refuses alike.
@@ -229,7 +219,7 @@ class TrainerWorker:
         step, run_state, extra_files, version = self._checkpoint_request
         if self.trainer.version != version:
             return CheckpointOutcome(
-                error=f"checkpoint {checkpoint_name(step)} failed ({self._checkpoint_error}) and cannot be taken again: "
+                error=f"checkpoint {RunLayout.checkpoint_name(step)} failed ({self._checkpoint_error}) and cannot be taken again: "
                 f"the trainer has trained on from v{version} to v{self.trainer.version}",
                 impossible=True,
             )

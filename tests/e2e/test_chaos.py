@@ -33,9 +33,8 @@ from safetensors.torch import load_file
 from ratchet.platform.client import RECIPE_PATH, Client
 from ratchet.platform.demo import start_worker_process, stop_worker_process
 from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage import BatchStore, ObjectStore, RunLayout
 from ratchet.workers.batch import RolloutBatch
-from ratchet.workers.trainer import train_log_key
 
 pytestmark = pytest.mark.integration
 
@@ -153,7 +152,7 @@ def trained_prompts(run_dir: Path) -> list[int]:
     batches = BatchStore(store)
     out = []
     for v in range(STEPS):
-        entry = store.get_json(train_log_key(v))
+        entry = store.get_json(RunLayout.train_log(v))
         for part in range(entry["parts"]):
             name = "rollout" if part == 0 else f"rollout-{part}"
             out += torch.unique(RolloutBatch.load(batches, entry["batch"], name).prompt_index).tolist()

@@ -14,9 +14,9 @@ import torch
 
 from ratchet.config.schema import RunConfig
 from ratchet.models.tiny import VOCAB
+from ratchet.storage import RunLayout
 from ratchet.workers.batch import RolloutBatch, ScoredStep
 from ratchet.workers.checkpointing import (
-    META_FILE,
     enable_determinism,
     load_trainer_state,
     read_meta,
@@ -285,7 +285,7 @@ def test_save_with_two_ranks_load_with_one(tiny_model, two_rank_run):
     assert sorted(p.name for p in (root / "ckpt2").iterdir()) == [
         "shard-00001-model-00001-of-00001.safetensors",
         "shard-00002-model-00001-of-00001.safetensors",
-        META_FILE,
+        RunLayout.TRAINER_META,
     ]
     assert read_meta(root / "ckpt2")["world_size"] == 2
     for ckpt, extra in (("ckpt2", {"step": STEPS, "ranks": 2}), ("ckpt2-bg", {"background": True})):
@@ -323,11 +323,11 @@ def test_nothing_on_disk_is_a_pickle(two_rank_run):
     seen = 0
     for folder in folders:
         names = sorted(p.name for p in folder.rglob("*"))
-        assert ".metadata" not in names and META_FILE in names, names
+        assert ".metadata" not in names and RunLayout.TRAINER_META in names, names
         for path in folder.rglob("*"):
             data = path.read_bytes()
             assert data[0] != PICKLE_PROTOCOL_OPCODE and not data.startswith(ZIP_MAGIC), path
-            if path.name == META_FILE:
+            if path.name == RunLayout.TRAINER_META:
                 json.loads(data)
             else:
                 assert path.suffix == ".safetensors", path

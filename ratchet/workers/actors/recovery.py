@@ -20,10 +20,8 @@ from typing import TYPE_CHECKING
 import ray
 
 from ratchet.errors import WorkerLost
-from ratchet.storage import CheckpointStore, ObjectStore
+from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
 
-from ..critic import CRITIC_META, CRITIC_STATE
-from ..trainer import train_log_key
 from .names import Role
 
 if TYPE_CHECKING:
@@ -68,10 +66,10 @@ def _logged_updates(actors: RunActors, store: ObjectStore, start: int, end: int)
     """(train log entry, version) of the updates v`start` .. v`end - 1`, reporting progress."""
     for v in range(start, end):
         try:
-            entry = store.get_json(train_log_key(v))
+            entry = store.get_json(RunLayout.train_log(v))
         except FileNotFoundError:
             raise WorkerLost(
-                f"run {actors.run_id}: cannot rebuild the run's state: update v{v} was not logged ({train_log_key(v)} is missing)"
+                f"run {actors.run_id}: cannot rebuild the run's state: update v{v} was not logged ({RunLayout.train_log(v)} is missing)"
             ) from None
         yield entry, v
         actors.waiter.progress(f"replayed update v{v}")
@@ -93,7 +91,7 @@ def restore_critic(actors: RunActors, expected_version: int):
     # Checkpoints of a run without a critic (or from before critics were saved) hold none.
     with actors.waiter.busy("reading the critic's state to restore it"):
         found = checkpoints.newest_good(
-            lambda info: checkpoints.read_files(info.name, [CRITIC_STATE, CRITIC_META]) if CRITIC_STATE in info.files else None,
+            lambda info: checkpoints.read_files(info.name, [RunLayout.CRITIC_STATE, RunLayout.CRITIC_META]) if RunLayout.CRITIC_STATE in info.files else None,
             max_step=expected_version,
         )
     if found is not None and found[1] is not None:

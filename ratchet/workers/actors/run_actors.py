@@ -16,7 +16,7 @@ import ray
 
 from ratchet.config.schema import RunConfig
 from ratchet.errors import RewardTimeout, WorkerLost
-from ratchet.storage import ObjectStore
+from ratchet.storage import ObjectStore, RunLayout
 
 from ..critic import CriticWorker
 from ..results import ScoreResult
@@ -61,7 +61,7 @@ class RunActors:
 
     def initial_policy(self) -> str:
         """The weights RL starts from: the warmed-up model if the run has a warm-up."""
-        return ObjectStore(self.run_uri).uri("warmup/model") if self.cfg.warmup.steps > 0 else self.cfg.model.path
+        return ObjectStore(self.run_uri).uri(RunLayout.WARMUP_MODEL) if self.cfg.warmup.steps > 0 else self.cfg.model.path
 
     # -- trainer -------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class RunActors:
         self.wait(actor.__ray_ready__.remote())
         return actor
 
-    def score(self, step: int, kind: str = "batches", part: int = 0) -> ScoreResult:
+    def score(self, step: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
         """Score a stored batch within `reward.timeout_s`; past it, the reward worker is
         killed (the next attempt makes a fresh one) and RewardTimeout is raised."""
         timeout_s = self.cfg.reward.timeout_s
