@@ -71,6 +71,10 @@ def _env_port(name: str, default: int) -> int:
         raise ServiceError(f"{name} must be a TCP port number, got {raw!r}") from None
 
 
+def _under_state_dir(*parts: str) -> property:
+    return property(lambda self: self.state_dir.joinpath(*parts), doc=f"<state_dir>/{'/'.join(parts)}")
+
+
 @dataclass
 class ServiceSettings:
     """Where the embedded services live and which ports they use."""
@@ -112,30 +116,13 @@ class ServiceSettings:
         values.update(overrides)
         return cls(**values)
 
-    # paths
-    @property
-    def state_file(self) -> Path:
-        return self.state_dir / STATE_FILE
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.state_dir / "logs"
-
-    @property
-    def temporal_db(self) -> Path:
-        return self.state_dir / "temporal.db"
-
-    @property
-    def temporal_log(self) -> Path:
-        return self.logs_dir / "temporal.log"
-
-    @property
-    def ray_log(self) -> Path:
-        return self.logs_dir / "ray.log"
-
-    @property
-    def ray_token_file(self) -> Path:
-        return self.state_dir / RAY_TOKEN_FILE
+    # paths under the state folder
+    state_file = _under_state_dir(STATE_FILE)
+    logs_dir = _under_state_dir("logs")
+    temporal_db = _under_state_dir("temporal.db")
+    temporal_log = _under_state_dir("logs", "temporal.log")
+    ray_log = _under_state_dir("logs", "ray.log")
+    ray_token_file = _under_state_dir(RAY_TOKEN_FILE)
 
 
 def temporal_address(settings: ServiceSettings) -> str:
