@@ -63,7 +63,7 @@ def main() -> None:
             f"storage.root={work / 'runs'}", f"loop.steps={args.steps}",
         ]  # fmt: skip
         cfg = load_config(RECIPE_PATH, base)
-        warm = warmup_policy(cfg, cfg.model.path, ObjectStore(str(work / "warm")).url)["uri"]
+        warm = warmup_policy(cfg, cfg.model.path, ObjectStore(str(work / "warm")).url).uri
         for name in args.estimators.split(","):
             cfg = load_config(RECIPE_PATH, [*base, *RECIPES[name]])
             t0 = time.perf_counter()

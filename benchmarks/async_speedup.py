@@ -143,7 +143,7 @@ class Simulation:
         def generate(inp: t.RolloutInput) -> t.BatchRef:
             time.sleep(self.stage_seconds)
             return t.BatchRef(
-                inp.run.run_id, inp.step, "sim", inp.prompt_count, inp.prompt_count, 1, inp.policy_version,
+                inp.run.run_id, inp.batch_index, "sim", inp.prompt_count, inp.prompt_count, 1, inp.policy_version,
                 prompt_start=inp.prompt_start, generate_seconds=self.stage_seconds,
             )  # fmt: skip
 

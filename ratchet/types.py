@@ -104,16 +104,28 @@ EVALS_KEPT = 32
 
 
 def upgrade_run_state(data: dict[str, Any]) -> dict[str, Any]:
-    """A `run_state.json` written before the state was constant-size (a `rewards` list with
-    one mean per step) in today's layout; a current one unchanged."""
-    if "rewards" not in data:
-        return data
+    """A `run_state.json` written by an older ratchet in today's layout; a current one
+    unchanged. Older ones held a `rewards` list with one mean per step (before the state
+    was constant-size), and ready batches whose index was called `step` (before the batch
+    index and the training step were named apart)."""
     data = dict(data)
-    rewards = [float(r) for r in data.pop("rewards") or []]
-    data.setdefault("reward_first10", rewards[:10])
-    data.setdefault("reward_last10", rewards[-10:])
-    data.setdefault("reward_count", len(rewards))
+    if "rewards" in data:
+        rewards = [float(r) for r in data.pop("rewards") or []]
+        data.setdefault("reward_first10", rewards[:10])
+        data.setdefault("reward_last10", rewards[-10:])
+        data.setdefault("reward_count", len(rewards))
+    if data.get("ready"):
+        data["ready"] = [[_upgrade_scored_batch(scored) for scored in rounds] for rounds in data["ready"]]
     return data
+
+
+def _upgrade_scored_batch(scored: dict[str, Any]) -> dict[str, Any]:
+    batch = scored.get("batch")
+    if not isinstance(batch, dict) or "step" not in batch or "index" in batch:
+        return scored
+    batch = dict(batch)
+    batch["index"] = batch.pop("step")
+    return {**scored, "batch": batch}
 
 
 @dataclass
@@ -169,7 +181,9 @@ class StartWorkersOutput:
 @dataclass
 class RolloutInput:
     run: RunRef
-    step: int
+    # The batch's index (its batch-store key), not the training step: in fully_async a
+    # dropped batch is generated again under a new index, so the two drift apart.
+    batch_index: int
     prompt_start: int
     prompt_count: int
     policy_version: int
@@ -180,10 +194,10 @@ class RolloutInput:
 
 @dataclass
 class BatchRef:
-    """A rollout batch in the batch store; its key is derived from (run id, step)."""
+    """A rollout batch in the batch store; its key is derived from (run id, index)."""
 
     run_id: str
-    step: int
+    index: int  # the batch index (RolloutInput.batch_index), not the training step
     uri: str
     num_prompts: int
     num_samples: int

@@ -93,7 +93,7 @@ def warmup(inp: WarmupInput) -> WarmupOutput:
         return WarmupOutput(policy_uri=cfg.model.path, loss_first=0.0, loss_last=0.0, seconds=0.0)
     task = ray.remote(warmup_policy).options(num_cpus=cfg.resources.trainer_cpus, max_retries=0)
     out = wait(task.remote(cfg, cfg.model.path, inp.run.run_uri))
-    return WarmupOutput(policy_uri=out["uri"], loss_first=out["loss_first"], loss_last=out["loss_last"], seconds=out["seconds"])
+    return WarmupOutput(policy_uri=out.uri, loss_first=out.loss_first, loss_last=out.loss_last, seconds=out.seconds)
 
 
 @activity.defn(name="start_workers")
@@ -125,10 +125,10 @@ def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
 def generate(inp: RolloutInput) -> BatchRef:
     actors = actors_for(inp.run)
     rollout = actors.rollout(inp.policy_version, exact=inp.exact_version)
-    out = wait(rollout.generate.remote(inp.step, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part, inp.exact_version))
+    out = wait(rollout.generate.remote(inp.batch_index, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part, inp.exact_version))
     return BatchRef(
         run_id=inp.run.run_id,
-        step=inp.step,
+        index=inp.batch_index,
         uri=out.uri,
         num_prompts=inp.prompt_count,
         num_samples=out.num_samples,
@@ -145,7 +145,7 @@ def generate(inp: RolloutInput) -> BatchRef:
 @temporal_errors
 def score(inp: ScoreInput) -> ScoreOutput:
     actors = actors_for(inp.run)
-    out = actors.score(inp.batch.step, RunLayout.BATCHES, inp.batch.part)
+    out = actors.score(inp.batch.index, RunLayout.BATCHES, inp.batch.part)
     return ScoreOutput(
         reward_mean=out.reward_mean, reward_std=out.reward_std, seconds=out.seconds, informative_groups=out.informative_groups
     )
@@ -157,16 +157,16 @@ def train(inp: TrainInput) -> TrainOutput:
     """Policy update; with a critic (GAE), values first and the critic's own update after."""
     t0 = time.perf_counter()
     actors = actors_for(inp.run)
-    step, parts = inp.batch.step, inp.parts
+    batch_index, parts = inp.batch.index, inp.parts
     retrying = activity.info().attempt > 1
     critic = actors.critic(inp.policy_version, retrying_update=retrying) if actors.cfg.uses_critic else None
     if critic is not None:
-        wait(critic.compute_values.remote(step, parts))
+        wait(critic.compute_values.remote(batch_index, parts))
     ranks = actors.trainers(inp.policy_version, retrying_update=retrying)
-    outs = wait([a.train.remote(step, inp.policy_version, inp.kl_coef, parts) for a in ranks])
+    outs = wait([a.train.remote(batch_index, inp.policy_version, inp.kl_coef, parts) for a in ranks])
     metrics = dict(outs[0].metrics)
     if critic is not None:
-        metrics.update(wait(critic.update.remote(step, parts)))
+        metrics.update(wait(critic.update.remote(batch_index, parts)))
     return TrainOutput(
         policy_version=outs[0].policy_version, metrics=metrics, seconds=time.perf_counter() - t0, kl_coef=outs[0].kl_coef
     )
@@ -187,7 +187,7 @@ def evaluate(inp: EvalInput) -> EvalOutput:
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     actors = actors_for(inp.run)
     gen = wait(actors.rollout(inp.policy_version).generate_eval.remote(inp.step, cfg.data.eval_size))
-    out = actors.score(inp.step, RunLayout.EVALS)
+    out = actors.score(inp.step, RunLayout.EVALS)  # eval batches are stored by training step
     return EvalOutput(step=inp.step, reward_mean=out.reward_mean, num_samples=gen.num_samples)
 
 

@@ -22,9 +22,10 @@ from ratchet.storage.layout import RunLayout
 from ratchet.workers.engines.catalog import ENGINES
 from ratchet.workflows.modes import LOOP_MODES
 
-# The per-step sampling seed is `(seed * 1_000_003 + step) * 101 + part` (workers/rollout.py;
-# `part` < algorithm.max_sampling_rounds). With these bounds it stays below 4.4e17, far under
-# the 2**63 that torch.manual_seed and int64 tensors accept, and distinct per (step, part).
+# The per-batch sampling seed is `(seed * 1_000_003 + batch) * 101 + part`
+# (workers/rollout_batching.sampling_seed; `part` < algorithm.max_sampling_rounds). With
+# these bounds it stays below 4.4e17, far under the 2**63 that torch.manual_seed and int64
+# tensors accept, and distinct per (batch, part).
 MAX_SEED = 2**32 - 1  # numpy's seed range too (checkpointing.enable_determinism)
 MAX_STEPS = 10**9
 MAX_SAMPLING_ROUNDS = 100  # < 101, the multiplier that keeps per-part seeds distinct

@@ -1,7 +1,7 @@
 """Rollout batches and their scores, as safetensors plus JSON metadata.
 
-Keys derive from the step alone (`batches/step-000012/rollout.safetensors`, built by
-`RunLayout.batch_part`), so a retried
+Keys derive from the batch index alone (`batches/step-000012/rollout.safetensors`, built by
+`RunLayout.batch_part`; the folder name says `step-` as older versions wrote it), so a retried
 rollout or scoring activity overwrites its own output instead of adding a second copy.
 Per-sample strings (data source, ground truth, extra info) ride in the safetensors header
 as JSON; nothing here is a pickle.
@@ -47,19 +47,20 @@ class BatchStore:
         self.store = store
         self.kind = check_file_name(kind, "batch kind")
 
-    def step_key(self, step: int) -> str:
-        return RunLayout.batch_step(self.kind, step)
+    def batch_key(self, batch_index: int) -> str:
+        """The folder of batch `batch_index` (`batches/step-000012`)."""
+        return RunLayout.batch_step(self.kind, batch_index)
 
-    def key(self, step: int, name: str) -> str:
-        """The key of part `name` of batch `step` (`batches/step-000012/values.safetensors`)."""
-        # one segment each: a name never reaches another step's folder or above the run
-        return RunLayout.batch_part(self.kind, step, check_file_name(name, "batch part name"))
+    def key(self, batch_index: int, name: str) -> str:
+        """The key of part `name` of batch `batch_index` (`batches/step-000012/values.safetensors`)."""
+        # one segment each: a name never reaches another batch's folder or above the run
+        return RunLayout.batch_part(self.kind, batch_index, check_file_name(name, "batch part name"))
 
-    def write(self, step: int, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> str:
-        return self.store.put_bytes(self.key(step, name), pack_tensors(tensors, meta))
+    def write(self, batch_index: int, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> str:
+        return self.store.put_bytes(self.key(batch_index, name), pack_tensors(tensors, meta))
 
-    def read(self, step: int, name: str) -> tuple[dict[str, torch.Tensor], dict]:
-        return unpack_tensors(self.store.get_bytes(self.key(step, name)))
+    def read(self, batch_index: int, name: str) -> tuple[dict[str, torch.Tensor], dict]:
+        return unpack_tensors(self.store.get_bytes(self.key(batch_index, name)))
 
-    def has(self, step: int, name: str) -> bool:
-        return self.store.exists(self.key(step, name))
+    def has(self, batch_index: int, name: str) -> bool:
+        return self.store.exists(self.key(batch_index, name))

@@ -34,7 +34,8 @@ class RunLayout:
     # activities.record_step writes one line per step (MetricsLog); users, dashboards and `ratchet watch` read it.
     METRICS: Final = "metrics.jsonl"
 
-    # -- batches (BatchStore kinds; a step's parts are `<kind>/step-NNNNNN/<part>.safetensors`) --
+    # -- batches (BatchStore kinds; a batch's parts are `<kind>/step-NNNNNN/<part>.safetensors`,
+    # NNNNNN the batch index: not the training step once fully_async drops a batch) --
     # RolloutWorker writes rollout parts, RewardWorker scores, TrainerWorker advantages, CriticWorker
     # values; the reward, trainer and critic workers (and recovery, to rebuild state) read them.
     BATCHES: Final = "batches"
@@ -79,14 +80,15 @@ class RunLayout:
     # -- key builders -------------------------------------------------------------------
 
     @staticmethod
-    def batch_step(kind: str, step: int) -> str:
-        """`batches/step-000012`: a step's folder in the batch store of `kind`."""
-        return f"{kind}/step-{_number(step, 'batch step'):06d}"
+    def batch_step(kind: str, batch_index: int) -> str:
+        """`batches/step-000012`: batch 12's folder in the batch store of `kind` (evals are
+        stored by the training step they evaluate)."""
+        return f"{kind}/step-{_number(batch_index, 'batch index'):06d}"
 
     @staticmethod
-    def batch_part(kind: str, step: int, part: str) -> str:
+    def batch_part(kind: str, batch_index: int, part: str) -> str:
         """`batches/step-000012/rollout.safetensors`: one part of a stored batch."""
-        return f"{RunLayout.batch_step(kind, step)}/{part}.safetensors"
+        return f"{RunLayout.batch_step(kind, batch_index)}/{part}.safetensors"
 
     @staticmethod
     def train_log(policy_version: int) -> str:

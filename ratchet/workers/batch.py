@@ -50,12 +50,12 @@ class RolloutBatch:
             samples=[self.samples[i] for i in idx.tolist()],
         )
 
-    def save(self, store: BatchStore, step: int, name: str = Parts.ROLLOUT) -> str:
-        return store.write(step, name, {n: getattr(self, n) for n in TENSOR_FIELDS}, {Fields.SAMPLES: self.samples})
+    def save(self, store: BatchStore, batch_index: int, name: str = Parts.ROLLOUT) -> str:
+        return store.write(batch_index, name, {n: getattr(self, n) for n in TENSOR_FIELDS}, {Fields.SAMPLES: self.samples})
 
     @classmethod
-    def load(cls, store: BatchStore, step: int, name: str = Parts.ROLLOUT) -> "RolloutBatch":
-        tensors, meta = store.read(step, name)
+    def load(cls, store: BatchStore, batch_index: int, name: str = Parts.ROLLOUT) -> "RolloutBatch":
+        tensors, meta = store.read(batch_index, name)
         return cls(**{n: tensors[n] for n in TENSOR_FIELDS}, samples=meta[Fields.SAMPLES])
 
     @classmethod
@@ -84,12 +84,12 @@ class RolloutBatch:
         )
 
 
-def save_scores(store: BatchStore, step: int, rewards: torch.Tensor, extras: list[dict], name: str = Parts.SCORES) -> str:
-    return store.write(step, name, {Fields.REWARD: rewards.float()}, {Fields.EXTRAS: extras})
+def save_scores(store: BatchStore, batch_index: int, rewards: torch.Tensor, extras: list[dict], name: str = Parts.SCORES) -> str:
+    return store.write(batch_index, name, {Fields.REWARD: rewards.float()}, {Fields.EXTRAS: extras})
 
 
-def load_scores(store: BatchStore, step: int, name: str = Parts.SCORES) -> tuple[torch.Tensor, list[dict]]:
-    tensors, meta = store.read(step, name)
+def load_scores(store: BatchStore, batch_index: int, name: str = Parts.SCORES) -> tuple[torch.Tensor, list[dict]]:
+    tensors, meta = store.read(batch_index, name)
     return tensors[Fields.REWARD], meta[Fields.EXTRAS]
 
 
@@ -102,14 +102,15 @@ class ScoredStep:
     baseline_rewards: torch.Tensor | None  # [B] (ReMax), aligned with batch rows
 
 
-def load_step(store: BatchStore, step: int, parts: int = 1) -> ScoredStep:
+def load_step(store: BatchStore, batch_index: int, parts: int = 1) -> ScoredStep:
+    """The stored batch `batch_index` (its `parts` rollout rounds) as one training step's input."""
     # Padding positions are masked out everywhere, so any valid id (0) can fill them.
-    batches = [RolloutBatch.load(store, step, part_name(Parts.ROLLOUT, p)) for p in range(parts)]
-    rewards = torch.cat([load_scores(store, step, part_name(Parts.SCORES, p))[0] for p in range(parts)])
+    batches = [RolloutBatch.load(store, batch_index, part_name(Parts.ROLLOUT, p)) for p in range(parts)]
+    rewards = torch.cat([load_scores(store, batch_index, part_name(Parts.SCORES, p))[0] for p in range(parts)])
     batch = RolloutBatch.concat(batches, pad_id=0)
     baseline = None
-    if store.has(step, part_name(Parts.BASELINE_SCORES, 0)):
-        greedy = [RolloutBatch.load(store, step, part_name(Parts.BASELINE, p)).prompt_index for p in range(parts)]
-        scores = [load_scores(store, step, part_name(Parts.BASELINE_SCORES, p))[0] for p in range(parts)]
+    if store.has(batch_index, part_name(Parts.BASELINE_SCORES, 0)):
+        greedy = [RolloutBatch.load(store, batch_index, part_name(Parts.BASELINE, p)).prompt_index for p in range(parts)]
+        scores = [load_scores(store, batch_index, part_name(Parts.BASELINE_SCORES, p))[0] for p in range(parts)]
         baseline = remax_baselines(batch.prompt_index, torch.cat(greedy), torch.cat(scores))
     return ScoredStep(batch=batch, rewards=rewards, baseline_rewards=baseline)

@@ -35,7 +35,7 @@ group is needed (DCP's no-dist mode).
 
 Saving without stalling training: `snapshot(trainer)` copies this rank's shards to fresh
 CPU tensors (the only stall), and `write_snapshot(snapshot, local_dir)` writes them; it may
-run in a background thread (`write_snapshot_in_background`) while training goes on. The
+run in a background thread while training goes on (`TrainerWorker.start_checkpoint` does). The
 background write's collectives (DCP's plan exchange) run on a process group of their own,
 created by the first `snapshot` call, so they never interleave with the training
 collectives on the default group. Wait for a write before starting the next one.
@@ -58,10 +58,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import threading
 import time
 import warnings
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -247,21 +245,6 @@ def write_snapshot(snap: TrainerSnapshot, local_dir: str | Path) -> int:
     if distributed:
         dist.barrier(group=snap.process_group)  # the folder is complete on every rank's return
     return checkpoint_bytes(out)
-
-
-def write_snapshot_in_background(snap: TrainerSnapshot, local_dir: str | Path) -> Future:
-    """`write_snapshot` in a daemon thread; the future's result is the folder's bytes.
-    Every rank must start it; wait on it before the next snapshot or before uploading."""
-    fut: Future = Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(write_snapshot(snap, local_dir))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="trainer-checkpoint", daemon=True).start()
-    return fut
 
 
 def save_trainer_state(trainer: PolicyTrainer, local_dir: str | Path, extra: dict | None = None) -> None:

@@ -141,7 +141,7 @@ class CriticWorker:
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.trainer = CriticTrainer(cfg)
         self.run = ObjectStore(run_uri)
-        # A retried train activity must not fit the critic twice on one step.
+        # A retried train activity must not fit the critic twice on one batch: (batch index, metrics).
         self._updated: tuple[int, dict[str, float]] | None = None
         self.version = 0  # updates done: equal to the policy version it goes with
 
@@ -156,23 +156,23 @@ class CriticWorker:
         self._updated = None
         return self.version
 
-    def compute_values(self, step: int, parts: int) -> str:
+    def compute_values(self, batch_index: int, parts: int) -> str:
         store = BatchStore(self.run)
-        if self._updated is not None and self._updated[0] >= step:
-            return self.run.uri(store.key(step, Parts.VALUES))  # kept: these values trained the policy
-        batch = load_step(store, step, parts).batch
-        return store.write(step, Parts.VALUES, {Fields.VALUES: self.trainer.values(batch)}, {})
+        if self._updated is not None and self._updated[0] >= batch_index:
+            return self.run.uri(store.key(batch_index, Parts.VALUES))  # kept: these values trained the policy
+        batch = load_step(store, batch_index, parts).batch
+        return store.write(batch_index, Parts.VALUES, {Fields.VALUES: self.trainer.values(batch)}, {})
 
-    def update(self, step: int, parts: int) -> dict[str, float]:
-        if self._updated is not None and self._updated[0] == step:
+    def update(self, batch_index: int, parts: int) -> dict[str, float]:
+        if self._updated is not None and self._updated[0] == batch_index:
             return self._updated[1]
         t0 = time.perf_counter()
         store = BatchStore(self.run)
-        batch = load_step(store, step, parts).batch
-        old_values = store.read(step, Parts.VALUES)[0][Fields.VALUES]
-        returns = store.read(step, Parts.ADVANTAGES)[0][Fields.RETURNS]
+        batch = load_step(store, batch_index, parts).batch
+        old_values = store.read(batch_index, Parts.VALUES)[0][Fields.VALUES]
+        returns = store.read(batch_index, Parts.ADVANTAGES)[0][Fields.RETURNS]
         metrics = self.trainer.update(batch, old_values, returns)
         metrics["critic_seconds"] = time.perf_counter() - t0
-        self._updated = (step, metrics)
+        self._updated = (batch_index, metrics)
         self.version += 1
         return metrics

@@ -48,17 +48,28 @@ class CorruptModel(ValueError):
     """A stored model's bytes, or its manifest, do not match what the manifest promises."""
 
 
-def save_hf(model, tokenizer, store: ObjectStore, key: str) -> str:
+def write_hf_folder(model, tokenizer, out: Path) -> None:
+    """A model and its tokenizer as a local Hugging Face folder (safetensors, no manifest)."""
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def upload_hf_folder(local: Path, store: ObjectStore, key: str) -> str:
+    """Upload a local model folder's files to `key`, then its manifest (last); the uri."""
     files = {}
-    with tempfile.TemporaryDirectory(prefix="ratchet-hf-") as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        for path in sorted(Path(tmp).iterdir()):
-            data = path.read_bytes()
-            store.put_bytes(f"{key}/{path.name}", data)
-            files[path.name] = FileEntry.of_bytes(data)
+    for path in sorted(local.iterdir()):
+        data = path.read_bytes()
+        store.put_bytes(f"{key}/{path.name}", data)
+        files[path.name] = FileEntry.of_bytes(data)
     store.put_json(f"{key}/{MANIFEST}", Manifest(files).to_json(MODEL))
     return store.uri(key)
+
+
+def save_hf(model, tokenizer, store: ObjectStore, key: str) -> str:
+    """A model and its tokenizer as a model folder at `key` in `store`; the uri."""
+    with tempfile.TemporaryDirectory(prefix="ratchet-hf-") as tmp:
+        write_hf_folder(model, tokenizer, Path(tmp))
+        return upload_hf_folder(Path(tmp), store, key)
 
 
 def local_hf_path(uri: str, cache_dir: str | None = None) -> str:

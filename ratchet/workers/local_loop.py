@@ -20,7 +20,7 @@ from .critic import CriticTrainer
 from .engines import ENGINES, SamplingParams
 from .policy_update import PolicyTrainer
 from .prompts import PromptSet
-from .rollout_batching import generate_batch, prompt_indices
+from .rollout_batching import generate_batch, prompt_indices, sampling_seed
 from .runtime import configure_worker_process
 from .scoring import score_batch
 
@@ -47,8 +47,10 @@ class LocalLoop:
         self.kl_coef = cfg.algorithm.kl.coef
 
     def _sampling(self, step: int) -> SamplingParams:
+        """Step `step` samples as the workflow's batch `step` does (one round: part 0)."""
         r = self.cfg.rollout
-        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_response_length, seed=self.cfg.seed * 1_000_003 + step)
+        seed = sampling_seed(self.cfg.seed, step)
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_response_length, seed=seed)
 
     def step(self, step: int) -> dict[str, float]:
         """One step: generate, score, (values), train, (critic), sync. Returns metrics with phase seconds."""

@@ -52,6 +52,16 @@ class TrainResult:
 
 
 @dataclass(frozen=True)
+class WarmupResult:
+    """`warmup_policy`: the warmed-up policy in the run folder and the warm-up's losses."""
+
+    uri: str
+    loss_first: float
+    loss_last: float
+    seconds: float  # 0 when a retried warm-up found the model already committed
+
+
+@dataclass(frozen=True)
 class SetupInfo:
     """`TrainerWorker.setup_info`: whether a rank is set up, in which world."""
 

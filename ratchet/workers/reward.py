@@ -32,32 +32,32 @@ class RewardWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(local_hf_path(tokenizer_path))
         self.run = ObjectStore(run_uri)
 
-    def _rewards(self, batch: RolloutBatch, step: int | None = None) -> tuple[torch.Tensor, list[dict]]:
+    def _rewards(self, batch: RolloutBatch, batch_index: int | None = None) -> tuple[torch.Tensor, list[dict]]:
         """function_weight * rule score + model_weight * reward-model score."""
         total = torch.zeros(len(batch))
         extras: list[dict] = [{} for _ in range(len(batch))]
         if self.reward_fn is not None:
-            rule, rule_extras = score_batch(batch, self.tokenizer, self.reward_fn, step)
+            rule, rule_extras = score_batch(batch, self.tokenizer, self.reward_fn, batch_index)
             total += self.cfg.function_weight * rule
             extras = [{**e, "rule_score": float(s)} for e, s in zip(rule_extras, rule)]
         if self.reward_model is not None:
             rm = self.reward_model.score(batch, self.tokenizer)
-            check_finite_rewards(rm, batch.samples, step, "the reward model")
+            check_finite_rewards(rm, batch.samples, batch_index, "the reward model")
             total += self.cfg.model_weight * rm
             extras = [{**e, "rm_score": float(s)} for e, s in zip(extras, rm)]
-        check_finite_rewards(total, batch.samples, step, "the reward mix (reward.function_weight, reward.model_weight)")
+        check_finite_rewards(total, batch.samples, batch_index, "the reward mix (reward.function_weight, reward.model_weight)")
         return total, extras
 
-    def score(self, step: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
+    def score(self, batch_index: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
         t0 = time.perf_counter()
         store = BatchStore(self.run, kind)
-        batch = RolloutBatch.load(store, step, part_name(Parts.ROLLOUT, part))
-        rewards, extras = self._rewards(batch, step)
-        save_scores(store, step, rewards, extras, part_name(Parts.SCORES, part))
+        batch = RolloutBatch.load(store, batch_index, part_name(Parts.ROLLOUT, part))
+        rewards, extras = self._rewards(batch, batch_index)
+        save_scores(store, batch_index, rewards, extras, part_name(Parts.SCORES, part))
         baseline_name = part_name(Parts.BASELINE, part)
-        if store.has(step, baseline_name):  # ReMax: the greedy baseline responses
-            base_rewards, base_extras = self._rewards(RolloutBatch.load(store, step, baseline_name), step)
-            save_scores(store, step, base_rewards, base_extras, part_name(Parts.BASELINE_SCORES, part))
+        if store.has(batch_index, baseline_name):  # ReMax: the greedy baseline responses
+            base_rewards, base_extras = self._rewards(RolloutBatch.load(store, batch_index, baseline_name), batch_index)
+            save_scores(store, batch_index, base_rewards, base_extras, part_name(Parts.BASELINE_SCORES, part))
         keep = dynamic_sampling_keep(rewards, batch.prompt_index)
         return ScoreResult(
             reward_mean=float(rewards.mean().item()),

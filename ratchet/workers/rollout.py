@@ -34,7 +34,7 @@ from .engines import ENGINES, SamplingParams
 from .hf_io import local_hf_path
 from .prompts import PromptSet
 from .results import EvalBatchResult, GenerateResult
-from .rollout_batching import generate_batch, prompt_indices
+from .rollout_batching import generate_batch, prompt_indices, sampling_seed
 from .runtime import configure_worker_process
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class RolloutWorker:
         return self.version
 
     def generate(
-        self, step: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0, exact: bool = False
+        self, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0, exact: bool = False
     ) -> GenerateResult:
         with self._generation(swappable=True) as (version, swap):
             # Newer weights than asked for are fine (a sync landed first, or the worker was
@@ -73,17 +73,16 @@ class RolloutWorker:
             # A deterministic run asks for exactly one version.
             if policy_version > version or (exact and policy_version != version):
                 raise RuntimeError(f"rollout worker holds policy v{version}, asked for v{policy_version}")
-            return self._generate(step, prompt_start, prompt_count, version, part, swap)
+            return self._generate(batch_index, prompt_start, prompt_count, version, part, swap)
 
-    def _generate(self, step: int, prompt_start: int, prompt_count: int, version: int, part: int, swap) -> GenerateResult:
+    def _generate(self, batch_index: int, prompt_start: int, prompt_count: int, version: int, part: int, swap) -> GenerateResult:
         r = self.cfg.rollout
         params = SamplingParams(
             n=r.n,
             temperature=r.temperature,
             top_p=r.top_p,
             max_new_tokens=r.max_response_length,
-            # Seeded per (run seed, step): a retried rollout produces the same samples.
-            seed=(self.cfg.seed * 1_000_003 + step) * 101 + part,
+            seed=sampling_seed(self.cfg.seed, batch_index, part),
         )
         t0 = time.perf_counter()
         store = BatchStore(self.run)
@@ -94,9 +93,9 @@ class RolloutWorker:
             # ReMax: one greedy response per prompt, scored as the baseline of its group.
             greedy = replace(params, n=1, greedy=True)
             baseline = generate_batch(self.engine, self.train, indices, greedy, policy_version=self.version, pad_id=pad, weight_swap=swap)
-            baseline.save(store, step, part_name(Parts.BASELINE, part))
+            baseline.save(store, batch_index, part_name(Parts.BASELINE, part))
         seconds = time.perf_counter() - t0
-        uri = batch.save(store, step, part_name(Parts.ROLLOUT, part))
+        uri = batch.save(store, batch_index, part_name(Parts.ROLLOUT, part))
         lengths = batch.response_mask.sum(-1)
         return GenerateResult(
             uri=uri,
@@ -108,7 +107,8 @@ class RolloutWorker:
         )
 
     def generate_eval(self, step: int, size: int) -> EvalBatchResult:
-        """Greedy answers to the first `size` eval prompts, stored under `evals/`."""
+        """Greedy answers to the first `size` eval prompts, stored under `evals/` by the
+        training step `step` they evaluate."""
         if self.eval is None:
             raise RuntimeError("no data.eval_files configured")
         params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.rollout.max_response_length)

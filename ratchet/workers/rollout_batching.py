@@ -1,4 +1,5 @@
-"""Turn engine generations for a range of prompts into a `RolloutBatch`."""
+"""Turn engine generations for a range of prompts into a `RolloutBatch`; which prompts and
+which sampling seed a batch gets (the workflow's workers and the local loop alike)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ from .prompts import PromptSet
 def prompt_indices(start: int, count: int, total: int) -> list[int]:
     """The prompt frontier advances by `count` per step and wraps around the dataset (epochs)."""
     return [(start + i) % total for i in range(count)]
+
+
+def sampling_seed(seed: int, batch_index: int, part: int = 0) -> int:
+    """The sampling seed of rollout round `part` of batch `batch_index` in a run seeded
+    `seed`: a retried rollout samples the same, and the local loop samples what the
+    workflow does. config/schema.py bounds the three so that it stays below 2**63 and
+    distinct per (batch, part)."""
+    return (seed * 1_000_003 + batch_index) * 101 + part
 
 
 def generate_batch(

@@ -13,12 +13,12 @@ from ratchet.errors import NonFiniteError, RewardFunctionError
 from .batch import RolloutBatch
 
 
-def _where(step: int | None, row: int, info: dict) -> str:
-    at = f"step {step}, " if step is not None else ""
+def _where(batch_index: int | None, row: int, info: dict) -> str:
+    at = f"step {batch_index}, " if batch_index is not None else ""
     return f"{at}row {row} (data_source {info.get('data_source')!r})"
 
 
-def _call(reward_fn: Callable, step: int | None, row: int, info: dict, text: str):
+def _call(reward_fn: Callable, batch_index: int | None, row: int, info: dict, text: str):
     """The function's result; its own exception becomes a RewardFunctionError naming the
     sample and where in the function it failed: a bug there fails the same on every retry."""
     try:
@@ -28,34 +28,34 @@ def _call(reward_fn: Callable, step: int | None, row: int, info: dict, text: str
     except Exception as e:  # noqa: BLE001 - user code: any error is the user's to fix
         frame = traceback.extract_tb(e.__traceback__)[-1]
         raise RewardFunctionError(
-            f"the reward function raised {type(e).__name__}: {e} at {_where(step, row, info)}, in {frame.filename}:"
+            f"the reward function raised {type(e).__name__}: {e} at {_where(batch_index, row, info)}, in {frame.filename}:"
             f"{frame.lineno} ({frame.name}); fix reward.function"
         ) from e
 
 
-def check_finite_rewards(rewards: torch.Tensor, samples: list[dict], step: int | None, what: str) -> None:
+def check_finite_rewards(rewards: torch.Tensor, samples: list[dict], batch_index: int | None, what: str) -> None:
     """NonFiniteError naming the first sample whose reward is NaN or infinite: one such
     reward makes every weight NaN after one update."""
     bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
     if bad:
         row = bad[0]
         raise NonFiniteError(
-            f"{what} gave {float(rewards[row])} at {_where(step, row, samples[row])} ({len(bad)} non-finite rewards in "
+            f"{what} gave {float(rewards[row])} at {_where(batch_index, row, samples[row])} ({len(bad)} non-finite rewards in "
             "the batch); rewards must be finite numbers: fix the reward function or reward model"
         )
 
 
-def score_batch(batch: RolloutBatch, tokenizer, reward_fn: Callable, step: int | None = None) -> tuple[torch.Tensor, list[dict]]:
+def score_batch(batch: RolloutBatch, tokenizer, reward_fn: Callable, batch_index: int | None = None) -> tuple[torch.Tensor, list[dict]]:
     """Rewards [B] and, per sample, the extra numbers a dict-returning function gave."""
     rewards, extras = [], []
     for row, info in enumerate(batch.samples):
         n = int(batch.response_mask[row].sum().item())
         text = tokenizer.decode(batch.response_ids[row, :n].tolist(), skip_special_tokens=True)
-        out = _call(reward_fn, step, row, info, text)
+        out = _call(reward_fn, batch_index, row, info, text)
         if isinstance(out, dict):
             if "score" not in out:
                 raise RewardFunctionError(
-                    f"reward function returned a dict without 'score': {sorted(out)} at {_where(step, row, info)}"
+                    f"reward function returned a dict without 'score': {sorted(out)} at {_where(batch_index, row, info)}"
                 )
             score = out["score"]
             extras.append({k: float(v) for k, v in out.items() if k != "score" and isinstance(v, (int, float))})
@@ -66,12 +66,12 @@ def score_batch(batch: RolloutBatch, tokenizer, reward_fn: Callable, step: int |
             value = float(score)
         except (TypeError, ValueError):
             raise RewardFunctionError(
-                f"the reward function returned {score!r} ({type(score).__name__}) at {_where(step, row, info)}; it must "
+                f"the reward function returned {score!r} ({type(score).__name__}) at {_where(batch_index, row, info)}; it must "
                 "return a number or a dict with a numeric 'score'"
             ) from None
         if not math.isfinite(value):  # at once: the rows after it are not scored
             raise NonFiniteError(
-                f"the reward function gave {value} at {_where(step, row, info)}; rewards must be finite numbers: "
+                f"the reward function gave {value} at {_where(batch_index, row, info)}; rewards must be finite numbers: "
                 "fix the reward function"
             )
         rewards.append(value)

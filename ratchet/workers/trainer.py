@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
 
 from .batch import load_step
 from .columns import Fields, Parts
-from .hf_io import local_hf_path, save_hf
+from .hf_io import local_hf_path, upload_hf_folder, write_hf_folder
 from .local_paths import staging_dir
 from .policy_update import PolicyTrainer, check_finite_weights
 from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult
@@ -56,7 +57,7 @@ class TrainerWorker:
         self.policy_path = local_hf_path(policy_path)
         self.run = ObjectStore(run_uri)
         self.trainer: PolicyTrainer | None = None
-        self._last = None  # ((step, version it trained), StepResult) of the latest update
+        self._last = None  # ((batch index, version it trained), StepResult) of the latest update
         self._checkpointing: threading.Thread | None = None  # the background write and upload
         # (version, ObjectRef of the full weights) after each update, on rank 0, when syncs
         # overlap updates (partial rollouts): a sync need not wait for the update in flight.
@@ -114,62 +115,41 @@ class TrainerWorker:
         """The latest published (version, weights ObjectRef), or None."""
         return self._published
 
-    def train(self, step: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None) -> TrainResult:
-        """Update policy v`policy_version` on `step`. A retried activity whose first attempt
-        already updated the policy gets that update's result instead of a second update.
-        `optimizer` (lr, betas, weight_decay): the settings a logged update used, for a
-        replay; by default the run's config (which a resume may have changed)."""
+    def train(
+        self, batch_index: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None
+    ) -> TrainResult:
+        """Update policy v`policy_version` on stored batch `batch_index`. A retried activity
+        whose first attempt already updated the policy gets that update's result instead of
+        a second update. `optimizer` (lr, betas, weight_decay): the settings a logged update
+        used, for a replay; by default the run's config (which a resume may have changed)."""
         from .checkpointing import apply_optimizer_hyperparameters, config_hyperparameters
 
         t0 = time.perf_counter()
         hyper = optimizer or config_hyperparameters(self.cfg)
         store = BatchStore(self.run)
-        if self._last is not None and self._last[0] == (step, policy_version) and self.trainer.version == policy_version + 1:
+        if self._last is not None and self._last[0] == (batch_index, policy_version) and self.trainer.version == policy_version + 1:
             result = self._last[1]
         else:
             if policy_version != self.trainer.version:
                 raise RuntimeError(f"trainer holds policy v{self.trainer.version}, asked to train v{policy_version}")
-            data = load_step(store, step, parts)
+            data = load_step(store, batch_index, parts)
             apply_optimizer_hyperparameters(self.trainer, hyper)
-            values = store.read(step, Parts.VALUES)[0][Fields.VALUES] if store.has(step, Parts.VALUES) else None
+            values = store.read(batch_index, Parts.VALUES)[0][Fields.VALUES] if store.has(batch_index, Parts.VALUES) else None
             try:
                 result = self.trainer.train_step(data, kl_coef=kl_coef, values=values)
             except NonFiniteError as e:
-                raise NonFiniteError(f"step {step} (policy v{policy_version}): {e}") from None
-            self._last = ((step, policy_version), result)
+                raise NonFiniteError(f"step {batch_index} (policy v{policy_version}): {e}") from None
+            self._last = ((batch_index, policy_version), result)
             if self.cfg.uses_partial_rollouts:
                 self._publish()
         if self.rank == 0:
-            store.write(step, Parts.ADVANTAGES, {Fields.ADVANTAGES: result.advantages, Fields.RETURNS: result.returns}, {})
+            store.write(batch_index, Parts.ADVANTAGES, {Fields.ADVANTAGES: result.advantages, Fields.RETURNS: result.returns}, {})
             self.run.put_json(
-                RunLayout.train_log(policy_version), {"batch": step, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper}
+                RunLayout.train_log(policy_version),
+                {"batch": batch_index, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper},
             )
         result.metrics["train_seconds"] = time.perf_counter() - t0
         return TrainResult(policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef)
-
-    def save_state(self, local_dir: str, extra: dict) -> dict:
-        """Write the trainer state (weights, AdamW state, version, RNG; sharded, with
-        torch.distributed.checkpoint) into `local_dir`. Every rank calls (a collective)."""
-        from .checkpointing import checkpoint_bytes, save_trainer_state
-
-        t0 = time.perf_counter()
-        save_trainer_state(self.trainer, local_dir, extra)
-        return {"version": self.trainer.version, "seconds": time.perf_counter() - t0, "bytes": checkpoint_bytes(local_dir)}
-
-    def load_state(self, local_dir: str) -> dict:
-        """Restore a state `save_state` wrote, with any world size. Every rank calls."""
-        from .checkpointing import checkpoint_bytes, load_trainer_state
-
-        t0 = time.perf_counter()
-        extra = load_trainer_state(self.trainer, local_dir)
-        self._last = None  # a retry cache of the replaced state must not answer for the new one
-        self._published = None
-        return {
-            "version": self.trainer.version,
-            "seconds": time.perf_counter() - t0,
-            "bytes": checkpoint_bytes(local_dir),
-            "extra": extra,
-        }
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -233,7 +213,7 @@ class TrainerWorker:
             write_snapshot(snap, local / RunLayout.TRAINER_STATE)  # all ranks; done everywhere on return
             if self.rank != 0:
                 return
-            self._export_local(full_state, local / RunLayout.CHECKPOINT_HF)
+            self._write_hf(full_state, local / RunLayout.CHECKPOINT_HF)  # committed by the checkpoint's manifest
             (local / RunLayout.RUN_STATE).write_text(json.dumps(run_state, sort_keys=True))
             for rel, data in extra_files.items():
                 (local / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -249,14 +229,14 @@ class TrainerWorker:
             if self.rank == 0:
                 shutil.rmtree(local, ignore_errors=True)
 
-    def _export_local(self, state: dict, out: Path) -> None:
-        """The policy as a Hugging Face folder (safetensors), loadable by from_pretrained and vLLM."""
+    def _write_hf(self, state: dict, out: Path) -> None:
+        """The policy with weights `state` as a Hugging Face folder (safetensors) in `out`,
+        loadable by from_pretrained and vLLM: the one export, for checkpoints and `export`."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(self.policy_path)
         model.load_state_dict(state, strict=False)
-        model.save_pretrained(out, safe_serialization=True)
-        AutoTokenizer.from_pretrained(self.policy_path).save_pretrained(out)
+        write_hf_folder(model, AutoTokenizer.from_pretrained(self.policy_path), out)
 
     def wait_checkpoint(self) -> CheckpointOutcome:
         """Wait for the checkpoint in flight (if any) to be committed; the latest
@@ -268,8 +248,14 @@ class TrainerWorker:
         return CheckpointOutcome(error=self._checkpoint_error, seconds=time.perf_counter() - t0)
 
     def restore(self, local_dir: str) -> int:
-        """Load a downloaded checkpoint's trainer state (any world size); the version it holds."""
-        return self.load_state(str(Path(local_dir) / RunLayout.TRAINER_STATE))["version"]
+        """Load a downloaded checkpoint's trainer state (any world size; every rank calls, a
+        collective); the version it holds."""
+        from .checkpointing import load_trainer_state
+
+        load_trainer_state(self.trainer, Path(local_dir) / RunLayout.TRAINER_STATE)
+        self._last = None  # a retry cache of the replaced state must not answer for the new one
+        self._published = None
+        return self.trainer.version
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """Full weights on rank 0 (every rank must call: unsharding is a collective)."""
@@ -278,13 +264,12 @@ class TrainerWorker:
         return state if self.rank == 0 else None
 
     def export(self, key: str) -> str | None:
-        """Save the policy in Hugging Face format under the run folder (rank 0 writes)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
+        """Save the policy in Hugging Face format under the run folder, its manifest last
+        (every rank calls: unsharding is a collective; rank 0 writes)."""
         state = self.trainer.full_state()
         check_finite_weights(state, f"the weights of policy v{self.trainer.version} (export to {key})")
         if self.rank != 0:
             return None
-        model = AutoModelForCausalLM.from_pretrained(self.policy_path)
-        model.load_state_dict(state, strict=False)
-        return save_hf(model, AutoTokenizer.from_pretrained(self.policy_path), self.run, key)
+        with tempfile.TemporaryDirectory(prefix="ratchet-hf-") as tmp:
+            self._write_hf(state, Path(tmp))
+            return upload_hf_folder(Path(tmp), self.run, key)

@@ -12,6 +12,7 @@ import random
 import torch
 
 from .prompts import PromptSet
+from .results import WarmupResult
 
 
 def supervised_warmup(model, tokenizer, prompts: PromptSet, *, steps: int, lr: float, batch_size: int, seed: int) -> list[float]:
@@ -48,7 +49,7 @@ def supervised_warmup(model, tokenizer, prompts: PromptSet, *, steps: int, lr: f
     return losses
 
 
-def warmup_policy(cfg, base_model_path: str, run_uri: str) -> dict:
+def warmup_policy(cfg, base_model_path: str, run_uri: str) -> WarmupResult:
     """Warm up the configured model and store it as `RunLayout.WARMUP_MODEL` in the run folder.
 
     Idempotent: a retried call finds the committed model (its manifest) and returns it."""
@@ -65,7 +66,8 @@ def warmup_policy(cfg, base_model_path: str, run_uri: str) -> dict:
     run = ObjectStore(run_uri)
     model_key, losses_key = RunLayout.WARMUP_MODEL, RunLayout.WARMUP_LOSSES
     if run.exists(f"{model_key}/{MANIFEST}") and run.exists(losses_key):
-        return {"uri": run.uri(model_key), **run.get_json(losses_key), "seconds": 0.0}
+        stored = run.get_json(losses_key)
+        return WarmupResult(run.uri(model_key), stored["loss_first"], stored["loss_last"], seconds=0.0)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base_model_path)
     model = AutoModelForCausalLM.from_pretrained(base_model_path)
@@ -75,4 +77,4 @@ def warmup_policy(cfg, base_model_path: str, run_uri: str) -> dict:
     summary = {"loss_first": losses[0], "loss_last": losses[-1]}
     uri = save_hf(model, tokenizer, run, model_key)
     run.put_json(losses_key, summary)
-    return {"uri": uri, **summary, "seconds": time.perf_counter() - t0}
+    return WarmupResult(uri, losses[0], losses[-1], seconds=time.perf_counter() - t0)

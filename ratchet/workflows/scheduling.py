@@ -153,7 +153,7 @@ def step_metrics(
         "response_length": sum(r.batch.response_length_mean * r.batch.num_samples for r in rounds) / samples,
         "tokens_per_second": tokens_per_second(rounds),
         "policy_version": float(state.policy_version),
-        "batch_index": float(rounds[0].batch.step),
+        "batch_index": float(rounds[0].batch.index),
         "batch_policy_version": float(batch_version),
         # How many versions behind the trained policy the samples were (0 in sync mode).
         "staleness": float(staleness if staleness is not None else trained.policy_version - 1 - batch_version),

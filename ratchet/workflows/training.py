@@ -172,7 +172,7 @@ class TrainingWorkflow:
         out = [BatchStatus(index=i, state="in_flight", policy_version=v) for i, v in sorted(self._in_flight.items())]
         for rounds in self._state.ready if self._state else []:
             b = rounds[0].batch
-            out.append(BatchStatus(index=b.step, state="ready", policy_version=b.policy_version, num_samples=sched.num_samples(rounds)))
+            out.append(BatchStatus(index=b.index, state="ready", policy_version=b.policy_version, num_samples=sched.num_samples(rounds)))
         return out
 
     # -- the run -------------------------------------------------------------------------
@@ -386,7 +386,7 @@ class TrainingWorkflow:
         rounds = await self._rollout(state, plan, generated=generated)
         if before is not None and not before.done():
             # Until it is in `ready`, a checkpoint must still see it (as in flight).
-            index = rounds[0].batch.step
+            index = rounds[0].batch.index
             self._in_flight[index] = rounds[0].batch.policy_version
             self._in_flight_prompts[index] = [r.batch.prompt_start for r in rounds]
             try:
@@ -453,7 +453,7 @@ class TrainingWorkflow:
                         "generate",
                         RolloutInput(
                             run=state.run,
-                            step=index,
+                            batch_index=index,
                             prompt_start=self._take_prompts(state, plan, index),
                             prompt_count=plan.prompts_per_step,
                             policy_version=version,

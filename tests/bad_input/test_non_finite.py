@@ -177,7 +177,7 @@ def test_non_finite_reward_names_step_row_and_source(tokenizer, bad):
         return bad if data_source == "src3" else 1.0
 
     with pytest.raises(NonFiniteError, match=r"gave (nan|inf|-inf) at step 7, row 3 \(data_source 'src3'\)"):
-        score_batch(_scoring_batch(), tokenizer, reward, step=7)
+        score_batch(_scoring_batch(), tokenizer, reward, batch_index=7)
     assert calls == ["src0", "src1", "src2", "src3"]  # stopped at once
 
 
@@ -186,7 +186,7 @@ def test_reward_function_bug_is_named_with_its_line(tokenizer):
         return len(ground_truth) + None  # TypeError on every call
 
     with pytest.raises(RewardFunctionError) as info:
-        score_batch(_scoring_batch(), tokenizer, reward, step=2)
+        score_batch(_scoring_batch(), tokenizer, reward, batch_index=2)
     text = str(info.value)
     assert "raised TypeError" in text and "step 2, row 0 (data_source 'src0')" in text
     assert f"{__file__}:" in text and "(reward)" in text and "fix reward.function" in text

@@ -81,15 +81,30 @@ def test_resume_allows_optimizer_and_schedule_changes():
     }  # fmt: skip
 
 
+def stored_batch_ref(index: int, part: int, key: str = "step") -> dict:
+    """A BatchRef in a checkpoint's run state; older ratchets called its index `step`."""
+    return {"run_id": "r", key: index, "uri": f"/runs/r/batches/step-{index:06d}/rollout.safetensors", "num_prompts": 2,
+            "num_samples": 4, "num_response_tokens": 8, "policy_version": 36, "part": part, "prompt_start": 2 * index}  # fmt: skip
+
+
 def test_run_state_of_an_old_checkpoint_still_loads():
-    """Checkpoints written before the run state was bounded hold a list of every step's reward."""
+    """Checkpoints written before the run state was bounded hold a list of every step's
+    reward; those written before the batch index and the training step were named apart
+    call a ready batch's index `step`."""
     rewards = [i / 100 for i in range(37)]
+    score = {"reward_mean": 0.5, "reward_std": 0.1, "seconds": 1.0, "informative_groups": 2}
+    ready = [[{"batch": stored_batch_ref(39, part), "score": score} for part in (0, 1)]]
     old = {"run": {"run_id": "r", "run_uri": "/runs/r", "config_id": "c"}, "next_step": 37, "policy_version": 37, "kl_coef": 0.01,
-           "rewards": rewards, "eval_rewards": {"0": 0.1}}  # fmt: skip
+           "rewards": rewards, "eval_rewards": {"0": 0.1}, "next_batch": 40, "ready": ready}  # fmt: skip
     state = read_run_state(json.dumps(old).encode())
-    assert (state.next_step, state.policy_version, state.kl_coef) == (37, 37, 0.01)
+    assert (state.next_step, state.policy_version, state.kl_coef, state.next_batch) == (37, 37, 0.01, 40)
     assert state.reward_first10 == rewards[:10] and state.reward_last10 == rewards[-10:] and state.reward_count == 37
     assert state.latest_reward == rewards[-1] and state.eval_rewards == {"0": 0.1}
+    (rounds,) = state.ready
+    assert [(r.batch.index, r.batch.part, r.batch.prompt_start, r.score.reward_mean) for r in rounds] == [(39, 0, 78, 0.5), (39, 1, 78, 0.5)]
+    # A current one reads back as it was written.
+    current = old | {"ready": [[{"batch": stored_batch_ref(39, part, key="index"), "score": score} for part in (0, 1)]]}
+    assert read_run_state(json.dumps(current).encode()).ready == state.ready
 
 
 FAST = ["warmup.steps=0", "data.eval_files=null", "loop.prompts_per_step=4", "rollout.n=2", "checkpoint.every=1",

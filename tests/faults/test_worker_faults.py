@@ -15,7 +15,7 @@ import torch
 from ratchet.config.schema import RunConfig
 from ratchet.models.tiny import VOCAB
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
+from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
 from ratchet.workers.batch import RolloutBatch, save_scores
 from ratchet.workers.results import CheckpointOutcome
 
@@ -111,15 +111,22 @@ def test_failed_checkpoint_upload_is_kept_until_reported_and_redone(tiny_model, 
 
 
 def test_resume_applies_the_configs_optimizer_settings(tiny_model, tmp_path):
-    """A checkpoint's param_groups hold the lr it trained with; the loading run's config wins."""
+    """A checkpoint's param_groups hold the lr it trained with; the loading run's config wins.
+    The checkpoint takes the product's path: start_checkpoint commits it, and it is
+    downloaded and restored as recovery does."""
     run = ObjectStore(str(tmp_path / "run"))
     stored_step(run)
     first = trainer_worker(tiny_model, run, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99))
     first.train(0, 0, 0.0)
-    first.save_state(str(tmp_path / "ckpt"), {})
+    assert first.start_checkpoint(1, {"next_step": 1}, foreground=True).error is None
     assert run.get_json("train_log/v00000000.json")["optimizer"] == {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.0}
+    CheckpointStore(run).download("step-00000001", tmp_path / "ckpt")
     resumed = trainer_worker(tiny_model, ObjectStore(str(tmp_path / "run2")), lr=1e-6, weight_decay=0.1, betas=(0.8, 0.9))
-    resumed.load_state(str(tmp_path / "ckpt"))
+    assert resumed.restore(str(tmp_path / "ckpt")) == 1
+    from ratchet.workers.checkpointing import read_meta
+
+    saved = read_meta(tmp_path / "ckpt" / RunLayout.TRAINER_STATE)["param_groups"][0]
+    assert (saved["lr"], saved["weight_decay"], saved["betas"]) == (1e-3, 0.0, [0.9, 0.99])  # what the checkpoint holds
     group = resumed.trainer.optimizer.param_groups[0]
     assert (group["lr"], group["weight_decay"], group["betas"]) == (1e-6, 0.1, (0.8, 0.9))
     # A replay (recovery) uses the settings the logged update used, then the config's again.

@@ -51,7 +51,7 @@ def ahead_at_each_generate(standins: StandIns) -> list[int]:
         if event == "end" and name == "train":
             trained += 1
         elif event == "start" and name == "generate":
-            out.append(inp.step - trained)
+            out.append(inp.batch_index - trained)
     return out
 
 
@@ -59,7 +59,7 @@ def generated_for(standins: StandIns, steps: int) -> list[t.RolloutInput]:
     """The generations of the run's batches. fully_async may start one batch past the last
     step (see test_fully_async_generates_no_batch_past_the_last_step); the others leave it
     out of what they check."""
-    return [g for g in standins.args("generate") if g.step < steps]
+    return [g for g in standins.args("generate") if g.batch_index < steps]
 
 
 def trained_prompts(standins: StandIns) -> list[int]:
@@ -84,7 +84,7 @@ async def test_sync_runs_generate_score_train_sync_record_per_step(client):
     assert summary.steps == 3 and summary.policy_version == 3
     names = [n for n, _ in loop_calls(standins) if n != "record_step"]
     assert names == ["generate", "score", "train", "sync_weights"] * 3
-    assert [(g.step, g.policy_version, g.prompt_start) for g in standins.args("generate")] == [(0, 0, 0), (1, 1, 2), (2, 2, 4)]
+    assert [(g.batch_index, g.policy_version, g.prompt_start) for g in standins.args("generate")] == [(0, 0, 0), (1, 1, 2), (2, 2, 4)]
     assert [(i.policy_version, i.batch.policy_version) for i in standins.args("train")] == [(0, 0), (1, 1), (2, 2)]
     assert [s.policy_version for s in standins.args("sync_weights")] == [1, 2, 3]
     records = standins.args("record_step")
@@ -95,7 +95,7 @@ async def test_sync_runs_generate_score_train_sync_record_per_step(client):
         synced = at(standins, "end", "sync_weights", lambda s, v=step + 1: s.policy_version == v)
         assert at(standins, "start", "record_step", lambda r, s=step: r.step == s) > synced
         if step < 2:
-            assert at(standins, "start", "generate", lambda g, s=step + 1: g.step == s) > synced
+            assert at(standins, "start", "generate", lambda g, s=step + 1: g.batch_index == s) > synced
 
 
 async def test_one_step_off_generates_the_next_batch_while_the_step_trains(client):
@@ -104,16 +104,16 @@ async def test_one_step_off_generates_the_next_batch_while_the_step_trains(clien
 
     assert summary.steps == 4 and summary.policy_version == 4
     # Batch n+1 is generated with step n's version (batches 0 and 1 both with version 0).
-    assert [(g.step, g.policy_version) for g in standins.args("generate")] == [(0, 0), (1, 0), (2, 1), (3, 2)]
+    assert [(g.batch_index, g.policy_version) for g in standins.args("generate")] == [(0, 0), (1, 0), (2, 1), (3, 2)]
     assert [(i.policy_version, i.batch.policy_version) for i in standins.args("train")] == [(0, 0), (1, 0), (2, 1), (3, 2)]
     assert [r.metrics["staleness"] for r in standins.args("record_step")] == [0.0, 1.0, 1.0, 1.0]
     assert [s.policy_version for s in standins.args("sync_weights")] == [1, 2, 3, 4]
     for n in range(3):
-        train_ended = at(standins, "end", "train", lambda i, n=n: i.batch.step == n)
+        train_ended = at(standins, "end", "train", lambda i, n=n: i.batch.index == n)
         # ... while step n trains, and the sync waits for both.
-        assert at(standins, "start", "generate", lambda g, n=n: g.step == n + 1) < train_ended
+        assert at(standins, "start", "generate", lambda g, n=n: g.batch_index == n + 1) < train_ended
         sync = at(standins, "start", "sync_weights", lambda s, n=n: s.policy_version == n + 1)
-        assert sync > train_ended and sync > at(standins, "end", "score", lambda s, n=n: s.batch.step == n + 1)
+        assert sync > train_ended and sync > at(standins, "end", "score", lambda s, n=n: s.batch.index == n + 1)
     assert trained_prompts(standins) == [0, 2, 4, 6]
 
 
@@ -135,7 +135,7 @@ async def test_fully_async_respects_staleness_and_queue(client, max_staleness, q
 
     assert summary.steps == steps and summary.policy_version == steps and summary.dropped_samples == 0
     trains = standins.args("train")
-    assert [i.batch.step for i in trains] == list(range(steps))  # oldest first, none dropped
+    assert [i.batch.index for i in trains] == list(range(steps))  # oldest first, none dropped
     staleness = [i.policy_version - i.batch.policy_version for i in trains]
     assert max(staleness) <= max_staleness, staleness
     assert [r.metrics["staleness"] for r in standins.args("record_step")] == [float(s) for s in staleness]
@@ -146,7 +146,7 @@ async def test_fully_async_respects_staleness_and_queue(client, max_staleness, q
         # queue, or the versions a new batch would lag (the training one counts too).
         assert max(ahead) == min(queue_limit - 1, max_staleness), ahead
     assert [s.policy_version for s in standins.args("sync_weights")] == list(range(sync_every, steps + 1, sync_every))
-    assert [g.step for g in generated_for(standins, steps)] == list(range(steps))
+    assert [g.batch_index for g in generated_for(standins, steps)] == list(range(steps))
     assert trained_prompts(standins) == list(range(0, 2 * steps, 2))
 
 
@@ -161,7 +161,7 @@ async def test_deterministic_fully_async_generates_each_batch_with_its_scheduled
 
     assert summary.steps == steps and summary.dropped_samples == 0
     generated = generated_for(standins, steps)
-    assert [(g.step, g.policy_version) for g in generated] == list(enumerate([0, 0, 0, 2, 2, 4, 4, 6]))
+    assert [(g.batch_index, g.policy_version) for g in generated] == list(enumerate([0, 0, 0, 2, 2, 4, 4, 6]))
     assert [sched.scheduled_version(p, k) for k in range(steps)] == [g.policy_version for g in generated]
     assert all(g.exact_version for g in generated)
     assert [s.policy_version for s in standins.args("sync_weights")] == [2, 4, 6, 8]
@@ -172,7 +172,7 @@ async def test_fully_async_generates_no_batch_past_the_last_step(client):
     steps = 4
     standins = StandIns()
     await run_on(client, standins, training_input("fa-last", plan(mode="fully_async", steps=steps)))
-    assert [g.step for g in standins.args("generate")] == list(range(steps))
+    assert [g.batch_index for g in standins.args("generate")] == list(range(steps))
 
 
 # -- dynamic sampling, checkpoints, resume ---------------------------------------------
@@ -184,13 +184,13 @@ async def test_dynamic_sampling_rolls_out_more_rounds_until_enough_signal(client
     (done after 2 rounds), odd ones none (the budget of 3 is spent)."""
 
     def score(i: t.ScoreInput) -> t.ScoreOutput:
-        return t.ScoreOutput(reward_mean=0.1 * i.batch.step, reward_std=0.0, seconds=0.0, informative_groups=1 - i.batch.step % 2)
+        return t.ScoreOutput(reward_mean=0.1 * i.batch.index, reward_std=0.0, seconds=0.0, informative_groups=1 - i.batch.index % 2)
 
     standins = StandIns(answers={"score": score})
     summary = await run_on(client, standins, training_input(f"dyn-{mode}", plan(mode=mode, steps=4, sampling_rounds=3)))
 
     assert summary.steps == 4
-    generated = [(g.step, g.part, g.prompt_start) for g in generated_for(standins, 4)]
+    generated = [(g.batch_index, g.part, g.prompt_start) for g in generated_for(standins, 4)]
     assert generated == [
         (0, 0, 0), (0, 1, 2),
         (1, 0, 4), (1, 1, 6), (1, 2, 8),
@@ -198,7 +198,7 @@ async def test_dynamic_sampling_rolls_out_more_rounds_until_enough_signal(client
         (3, 0, 14), (3, 1, 16), (3, 2, 18),
     ]  # fmt: skip
     # The trainer gets the first round's reference and the number of rounds.
-    assert [(i.batch.step, i.batch.prompt_start, i.parts) for i in standins.args("train")] == [(0, 0, 2), (1, 4, 3), (2, 10, 2), (3, 14, 3)]
+    assert [(i.batch.index, i.batch.prompt_start, i.parts) for i in standins.args("train")] == [(0, 0, 2), (1, 4, 3), (2, 10, 2), (3, 14, 3)]
     records = standins.args("record_step")
     assert [r.metrics["rollout_rounds"] for r in records] == [2.0, 3.0, 2.0, 3.0]
     assert [r.metrics["reward_mean"] for r in records] == pytest.approx([0.0, 0.1, 0.2, 0.3])
@@ -248,8 +248,8 @@ async def test_resume_from_a_checkpoint_trains_every_prompt_once(client):
     assert sorted(before + after) == list(range(0, 2 * steps, 2))
     # Batches redone or new: scheduled as before, but on no version older than the floor.
     for g in second.args("generate"):
-        assert g.policy_version == max(sched.scheduled_version(p, g.step), 4), g
-    assert [i.batch.step for i in second.args("train")] == list(range(4, steps))
+        assert g.policy_version == max(sched.scheduled_version(p, g.batch_index), 4), g
+    assert [i.batch.index for i in second.args("train")] == list(range(4, steps))
 
 
 def stale_ready(parts: int) -> t.RunState:
@@ -270,8 +270,8 @@ async def test_fully_async_drops_a_too_stale_batch_and_redoes_its_prompts(client
     summary = await run_on(client, standins, training_input("stale-1", p, resume=stale_ready(parts=1)))
 
     assert summary.steps == 3 and summary.dropped_samples == 4
-    assert [(g.step, g.prompt_start, g.policy_version) for g in generated_for(standins, 4)] == [(3, 4, 2)]
-    assert [(i.batch.step, i.batch.prompt_start) for i in standins.args("train")] == [(3, 4)]
+    assert [(g.batch_index, g.prompt_start, g.policy_version) for g in generated_for(standins, 4)] == [(3, 4, 2)]
+    assert [(i.batch.index, i.batch.prompt_start) for i in standins.args("train")] == [(3, 4)]
     assert [r.metrics["dropped_samples"] for r in standins.args("record_step")] == [4.0]
 
 

@@ -76,7 +76,7 @@ def test_builders_refuse_what_is_not_a_step_or_version():
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="must be an integer >= 0"):
             RunLayout.train_log(bad)
-        with pytest.raises(ValueError, match="batch step"):
+        with pytest.raises(ValueError, match="batch index"):
             RunLayout.batch_step(RunLayout.BATCHES, bad)
 
 
@@ -88,7 +88,7 @@ def test_stores_and_workers_use_the_layout(tmp_path):
     assert CheckpointStore(store).prefix == "checkpoints" and checkpoint_store.MANIFEST == "MANIFEST.json"
     assert MetricsLog(store).key == "metrics.jsonl" and hf_io.MANIFEST == "manifest.json"
     assert BatchStore(store).key(5, "values") == "batches/step-000005/values.safetensors"
-    assert BatchStore(store, RunLayout.EVALS).step_key(5) == "evals/step-000005"
+    assert BatchStore(store, RunLayout.EVALS).batch_key(5) == "evals/step-000005"
 
 
 # --------------------------------------------------------------------------- old checkpoint manifests

@@ -115,7 +115,7 @@ def test_rollout_worker_takes_a_sync_inside_a_generation(tiny_model, copy_data, 
         return swap()
 
     worker._swap = swap_with_sync_arriving
-    out = worker.generate(step=0, prompt_start=0, prompt_count=2, policy_version=0)
+    out = worker.generate(batch_index=0, prompt_start=0, prompt_count=2, policy_version=0)
     assert out.policy_version == 0 and token_versions(tmp_path, 0) == {0, 1}
     assert done == {"bytes": sum(v.nbytes for v in new.values()), "version": 1}
     batch = RolloutBatch.load(BatchStore(ObjectStore(str(tmp_path))), 0)
@@ -124,10 +124,10 @@ def test_rollout_worker_takes_a_sync_inside_a_generation(tiny_model, copy_data, 
         assert batch.policy_version[row, :k].tolist() == [0] * min(k, 3) + [1] * max(0, k - 3)
     # The next generation starts on the new weights, and asking for the older version is
     # allowed (the workflow may not have heard of the sync yet); asking ahead is not.
-    out = worker.generate(step=1, prompt_start=2, prompt_count=2, policy_version=0)
+    out = worker.generate(batch_index=1, prompt_start=2, prompt_count=2, policy_version=0)
     assert out.policy_version == 1 and token_versions(tmp_path, 1) == {1}
     with pytest.raises(RuntimeError, match="holds policy v1, asked for v2"):
-        worker.generate(step=2, prompt_start=4, prompt_count=2, policy_version=2)
+        worker.generate(batch_index=2, prompt_start=4, prompt_count=2, policy_version=2)
 
 
 def test_without_partial_rollouts_a_sync_waits_for_the_generation(tiny_model, copy_data, tmp_path):

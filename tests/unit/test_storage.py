@@ -161,7 +161,7 @@ def test_batch_store_round_trip_and_keys(tmp_path):
     meta = {"samples": [{"data_source": "digits/copy", "ground_truth": "42"}] * 3}
     uri = batches.write(12, "rollout", tensors, meta)
     assert uri == str(tmp_path / "batches" / "step-000012" / "rollout.safetensors")
-    assert batches.step_key(12) == "batches/step-000012"
+    assert batches.batch_key(12) == "batches/step-000012"
     assert batches.has(12, "rollout") and not batches.has(12, "scores") and not batches.has(13, "rollout")
     out, meta_back = batches.read(12, "rollout")
     assert meta_back == meta

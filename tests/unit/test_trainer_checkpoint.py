@@ -1,12 +1,13 @@
 """Sharded trainer-state checkpoints (torch.distributed.checkpoint, safetensors files, JSON
 meta): exact resume on one rank, resharding 2 -> 1 and 1 -> 2 gloo ranks (FSDP2), the
-background write, the worker wrappers, and that nothing on disk is a pickle."""
+background write (the worker's start_checkpoint and restore), and that nothing on disk is a pickle."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from ratchet.workers.checkpointing import (
     read_meta,
     save_trainer_state,
     snapshot,
-    write_snapshot_in_background,
+    write_snapshot,
 )
 from ratchet.workers.policy_update import PolicyTrainer
 
@@ -162,38 +163,43 @@ def test_state_saved_before_the_first_update_leaves_the_optimizer_fresh(tiny_mod
     assert_equal_states(other.full_state(), trainer.full_state())
 
 
-def test_snapshot_is_written_in_background_while_training_goes_on(tiny_model, tmp_path):
-    cfg = make_cfg(tiny_model)
-    trainer = PolicyTrainer(str(tiny_model), cfg)
-    train(trainer, seed=0)
-    snap = snapshot(trainer, {"step": 1})
-    at_snapshot = {k: v.clone() for k, v in trainer.full_state().items()}
-    moments = full_optimizer_state(trainer)
-    future = write_snapshot_in_background(snap, tmp_path / "ckpt")
-    train(trainer, seed=1)  # changes the live weights while the write runs
-    assert future.result(timeout=60) > 0
-    restored = PolicyTrainer(str(tiny_model), cfg)
-    assert load_trainer_state(restored, tmp_path / "ckpt") == {"step": 1}
-    assert restored.version == 1
-    assert_equal_states(restored.full_state(), at_snapshot)
-    assert_equal_states(full_optimizer_state(restored), moments)
+def write_in_background(snap, local_dir: Path) -> tuple[threading.Thread, dict]:
+    """`write_snapshot` in a thread of its own, as TrainerWorker.start_checkpoint runs it;
+    the dict gets the folder's bytes when the write succeeded."""
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(bytes=write_snapshot(snap, local_dir)), daemon=True)
+    thread.start()
+    return thread, out
 
 
-def test_worker_save_and_load_state(tiny_model, tmp_path):
+def test_worker_checkpoint_is_written_in_background_and_restored(tiny_model, tmp_path):
+    """The product's path: `start_checkpoint` snapshots, a thread writes, exports and
+    commits while training goes on; a fresh worker `restore`s the downloaded checkpoint
+    (as recovery and a resume do) to the state at the snapshot."""
+    from ratchet.storage import CheckpointStore, ObjectStore
     from ratchet.workers.trainer import TrainerWorker
 
     cfg = make_cfg(tiny_model)
-    worker = TrainerWorker(cfg, str(tiny_model), str(tmp_path / "run"), 0, 1)
+    run = ObjectStore(str(tmp_path / "run"))
+    worker = TrainerWorker(cfg, str(tiny_model), run.url, 0, 1)
     worker.setup(0)
     train(worker.trainer, seed=0)
-    saved = worker.save_state(str(tmp_path / "ckpt"), {"step": 1})
-    assert saved["version"] == 1 and saved["bytes"] > 0 and saved["seconds"] >= 0
-    other = TrainerWorker(cfg, str(tiny_model), str(tmp_path / "run"), 0, 1)
+    at_snapshot = {k: v.clone() for k, v in worker.trainer.full_state().items()}
+    moments = full_optimizer_state(worker.trainer)
+    started = worker.start_checkpoint(1, {"next_step": 1})
+    assert (started.name, started.policy_version, started.error) == ("step-00000001", 1, None)
+    train(worker.trainer, seed=1)  # changes the live weights while the write may still run
+    assert worker.wait_checkpoint().error is None
+    CheckpointStore(run).download("step-00000001", tmp_path / "ckpt")
+    meta = read_meta(tmp_path / "ckpt" / RunLayout.TRAINER_STATE)
+    assert meta["extra"] == {"step": 1, "policy_version": 1, "world_size": 1}
+
+    other = TrainerWorker(cfg, str(tiny_model), str(tmp_path / "run2"), 0, 1)
     other.setup(0)
-    loaded = other.load_state(str(tmp_path / "ckpt"))
-    assert loaded["version"] == 1 and loaded["bytes"] == saved["bytes"] and loaded["extra"] == {"step": 1}
+    assert other.restore(str(tmp_path / "ckpt")) == 1
     assert other.policy_version() == 1
-    assert_equal_states(other.trainer.full_state(), worker.trainer.full_state())
+    assert_equal_states(other.trainer.full_state(), at_snapshot)
+    assert_equal_states(full_optimizer_state(other.trainer), moments)
 
 
 def test_enable_determinism_trains_on_cpu(tiny_model):
@@ -247,9 +253,10 @@ def _two_rank_worker(rank: int, port: int, model_path: str, one_rank_ckpt: str, 
         # The background write's DCP collectives run on their own group while the training
         # step's collectives use the default one.
         snap = snapshot(trainer, {"background": True})
-        future = write_snapshot_in_background(snap, out_dir / "ckpt2-bg")
+        writing, written = write_in_background(snap, out_dir / "ckpt2-bg")
         train(trainer, seed=50)
-        future.result(timeout=120)
+        writing.join(timeout=120)
+        assert written["bytes"] > 0
 
         # 1 rank -> 2 ranks
         restored = PolicyTrainer(model_path, cfg, rank=rank, world_size=2)

@@ -136,6 +136,58 @@ def test_prompt_indices_wrap():
     assert prompt_indices(0, 3, 64) == [0, 1, 2]
 
 
+# --------------------------------------------------------------------------- sampling seeds
+
+
+class RecordingEngine(HFEngine):
+    """The HF engine, recording the seed and the sampled tokens of every `generate` call."""
+
+    calls: list[tuple[int | None, list[list[list[int]]]]] = []
+
+    def generate(self, prompts, params, **kwargs):
+        groups = super().generate(prompts, params, **kwargs)
+        type(self).calls.append((params.seed, [[list(g.token_ids) for g in group] for group in groups]))
+        return groups
+
+
+@pytest.fixture
+def recording_engine():
+    from ratchet.workers.engines import ENGINES
+
+    ENGINES.register("recording", RecordingEngine)
+    RecordingEngine.calls = []
+    yield "recording"
+    del ENGINES.entries["recording"]
+
+
+def test_local_loop_samples_what_the_rollout_worker_samples(tiny_model, copy_data, tmp_path, recording_engine):
+    """One seed formula (`rollout_batching.sampling_seed`) for both: the local loop's step 3
+    draws the seed, and so the samples, of the workflow's batch 3; a refill round another."""
+    from ratchet.workers.local_loop import LocalLoop
+    from ratchet.workers.rollout import RolloutWorker
+    from ratchet.workers.rollout_batching import sampling_seed
+
+    cfg = RunConfig.model_validate(
+        {
+            "seed": 7,
+            "model": {"path": str(tiny_model)},
+            "data": {"train_files": str(copy_data)},
+            "rollout": {"n": 2, "max_response_length": 4, "engine": recording_engine},
+            "loop": {"prompts_per_step": 2},
+            "trainer": {"micro_batch_size": 4},
+            "storage": {"root": str(tmp_path)},
+        }
+    )
+    worker = RolloutWorker(cfg, str(tiny_model), str(tmp_path / "run"))
+    worker.generate(3, prompt_start=6, prompt_count=2, policy_version=0)
+    worker.generate(3, prompt_start=6, prompt_count=2, policy_version=0, part=1)
+    LocalLoop(cfg).step(3)
+    (rollout_seed, rollout_samples), (refill_seed, _), (local_seed, local_samples) = RecordingEngine.calls
+    assert rollout_seed == local_seed == sampling_seed(7, 3, 0) == (7 * 1_000_003 + 3) * 101
+    assert local_samples == rollout_samples
+    assert refill_seed == sampling_seed(7, 3, 1) != rollout_seed
+
+
 # --------------------------------------------------------------------------- HFEngine
 
 

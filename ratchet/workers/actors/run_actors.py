@@ -201,18 +201,18 @@ class RunActors:
         self.wait(actor.__ray_ready__.remote())
         return actor
 
-    def score(self, step: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
+    def score(self, batch_index: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
         """Score a stored batch within `reward.timeout_s`; past it, the reward worker is
         killed (the next attempt makes a fresh one) and RewardTimeout is raised."""
         timeout_s = self.cfg.reward.timeout_s
         actor = self.reward()
         try:
-            return self.wait(actor.score.remote(step, kind, part), timeout_s=timeout_s)
+            return self.wait(actor.score.remote(batch_index, kind, part), timeout_s=timeout_s)
         except WaitTimeout:
             ray.kill(actor, no_restart=True)
             self.wait_name_free(self.name(Role.REWARD))
             raise RewardTimeout(
-                f"run {self.run_id}: scoring {kind} step {step} took longer than reward.timeout_s={timeout_s:g} s; the "
+                f"run {self.run_id}: scoring {kind} step {batch_index} took longer than reward.timeout_s={timeout_s:g} s; the "
                 "reward worker was killed and the next attempt uses a new one. Fix a reward function that hangs, or "
                 "raise reward.timeout_s"
             ) from None
