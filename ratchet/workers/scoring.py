@@ -14,7 +14,7 @@ from .batch import RolloutBatch
 
 
 def _where(batch_index: int | None, row: int, info: dict) -> str:
-    at = f"step {batch_index}, " if batch_index is not None else ""
+    at = f"batch {batch_index}, " if batch_index is not None else ""
     return f"{at}row {row} (data_source {info.get('data_source')!r})"
 
 

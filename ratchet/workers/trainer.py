@@ -138,7 +138,7 @@ class TrainerWorker:
             try:
                 result = self.trainer.train_step(data, kl_coef=kl_coef, values=values)
             except NonFiniteError as e:
-                raise NonFiniteError(f"step {batch_index} (policy v{policy_version}): {e}") from None
+                raise NonFiniteError(f"batch {batch_index} (policy v{policy_version}): {e}") from None
             self._last = ((batch_index, policy_version), result)
             if self.cfg.uses_partial_rollouts:
                 self._publish()

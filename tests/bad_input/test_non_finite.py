@@ -135,7 +135,7 @@ def test_trainer_worker_names_the_step(tiny_model, tmp_path):
     rewards = REWARDS.clone()
     rewards[0] = float("inf")
     worker, _ = _worker(tiny_model, tmp_path, rewards)
-    with pytest.raises(NonFiniteError, match=r"^step 0 \(policy v0\): rewards of rows \[0\] are not finite \(\[inf\]\)"):
+    with pytest.raises(NonFiniteError, match=r"^batch 0 \(policy v0\): rewards of rows \[0\] are not finite \(\[inf\]\)"):
         worker.train(0, 0, 0.0)
     assert worker.policy_version() == 0
 
@@ -176,7 +176,7 @@ def test_non_finite_reward_names_step_row_and_source(tokenizer, bad):
         calls.append(data_source)
         return bad if data_source == "src3" else 1.0
 
-    with pytest.raises(NonFiniteError, match=r"gave (nan|inf|-inf) at step 7, row 3 \(data_source 'src3'\)"):
+    with pytest.raises(NonFiniteError, match=r"gave (nan|inf|-inf) at batch 7, row 3 \(data_source 'src3'\)"):
         score_batch(_scoring_batch(), tokenizer, reward, batch_index=7)
     assert calls == ["src0", "src1", "src2", "src3"]  # stopped at once
 
@@ -188,7 +188,7 @@ def test_reward_function_bug_is_named_with_its_line(tokenizer):
     with pytest.raises(RewardFunctionError) as info:
         score_batch(_scoring_batch(), tokenizer, reward, batch_index=2)
     text = str(info.value)
-    assert "raised TypeError" in text and "step 2, row 0 (data_source 'src0')" in text
+    assert "raised TypeError" in text and "batch 2, row 0 (data_source 'src0')" in text
     assert f"{__file__}:" in text and "(reward)" in text and "fix reward.function" in text
     with pytest.raises(RewardFunctionError, match=r"returned 'high' \(str\) at row 0"):
         score_batch(_scoring_batch(), tokenizer, lambda **kw: "high")

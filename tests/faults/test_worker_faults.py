@@ -359,7 +359,7 @@ def test_nan_reward_fails_the_run_in_its_first_step(platform, ray_driver, tmp_pa
         RECIPE_PATH, platform.overrides(*TINY, "loop.steps=3", "checkpoint.every=1", "tracking.name=nan", reward)
     )
     text = run_fails(handle)
-    assert "[NonFiniteError]" in text and "the reward function gave nan at step 0, row" in text
+    assert "[NonFiniteError]" in text and "the reward function gave nan at batch 0, row" in text
     assert "data_source 'digits/copy'" in text
     assert attempts(handle, "score") == [1], "never retried"
     assert attempts(handle, "train") == []
@@ -372,7 +372,7 @@ def test_reward_function_that_raises_fails_after_one_attempt(platform, ray_drive
     reward = reward_file(tmp_path, "    return {'score': 1.0}['missing']\n")
     handle = platform.client.submit(RECIPE_PATH, platform.overrides(*TINY, "loop.steps=2", "tracking.name=raises", reward))
     text = run_fails(handle)
-    assert "[RewardFunctionError]" in text and "raised KeyError: 'missing' at step 0, row 0" in text
+    assert "[RewardFunctionError]" in text and "raised KeyError: 'missing' at batch 0, row 0" in text
     assert "bad_reward.py:5 (compute_score)" in text
     assert attempts(handle, "score") == [1]
 

@@ -212,7 +212,7 @@ class RunActors:
             ray.kill(actor, no_restart=True)
             self.wait_name_free(self.name(Role.REWARD))
             raise RewardTimeout(
-                f"run {self.run_id}: scoring {kind} step {batch_index} took longer than reward.timeout_s={timeout_s:g} s; the "
+                f"run {self.run_id}: scoring batch {batch_index} of {kind}/ took longer than reward.timeout_s={timeout_s:g} s; the "
                 "reward worker was killed and the next attempt uses a new one. Fix a reward function that hangs, or "
                 "raise reward.timeout_s"
             ) from None
