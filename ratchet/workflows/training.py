@@ -18,7 +18,14 @@ deepest pipeline that never exceeds the staleness bound), with weight syncs exac
 
 The maths of the schedule (which version generates a batch, when the producer may start
 one, when a sync or checkpoint is due, what a checkpoint keeps of the work in flight, the
-metrics line) are pure functions in `scheduling.py`; this module orchestrates.
+metrics line) are pure functions in `scheduling.py`, and how each activity is called
+(time limits, heartbeats, retries) is `phases.py`; this module orchestrates.
+
+Why one class of ~500 lines: the three loops and the pieces of a step (rollout, train,
+sync, checkpoint, evaluate, record) share one in-memory state machine — the batches in
+flight and their prompts, the rollout lock, the pause and stop flags, the metrics line
+being written — that Temporal replays as a whole. Split over several classes it would
+be the same state passed around; what could leave (the maths, the call policy) has.
 
 The workflow is the controller with the global view (HybridFlow): it owns the run state
 (step, policy versions, prompt frontier, ready batches) and tells workers what to do; the
@@ -31,14 +38,11 @@ boundary in every mode.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError, FailureError
-
-from ratchet.errors import NON_RETRYABLE
 from ratchet.types import (
     BatchRef,
     CheckpointInput,
@@ -73,45 +77,7 @@ from ratchet.types import (
 )
 from ratchet.workflows import scheduling as sched
 from ratchet.workflows.modes import LOOP_MODES
-
-# Transient failures (a worker restarting, storage hiccups) are retried with backoff; an
-# error that retrying cannot fix (bad config, lost trainer state) fails the run at once.
-RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=30),
-    maximum_attempts=5,
-    non_retryable_error_types=list(NON_RETRYABLE),
-)
-# Activities heartbeat every second while they wait on Ray (activities/ray_calls.py); a
-# worker process that died is noticed after `loop.heartbeat_timeout_s`, not after the
-# whole timeout, and its activity is retried on another worker.
-
-
-@dataclass
-class Phase:
-    """How one kind of activity is called: its timeout bounds a single attempt."""
-
-    timeout: timedelta
-    heartbeat: bool = True
-
-
-PHASES = {
-    "prepare_run": Phase(timedelta(minutes=2), heartbeat=False),
-    "warmup": Phase(timedelta(minutes=30)),
-    "start_workers": Phase(timedelta(minutes=10)),
-    "generate": Phase(timedelta(minutes=30)),
-    "score": Phase(timedelta(minutes=30)),
-    "train": Phase(timedelta(minutes=30)),
-    "sync_weights": Phase(timedelta(minutes=10)),
-    "evaluate": Phase(timedelta(minutes=30)),
-    "checkpoint": Phase(timedelta(minutes=10)),
-    "record_step": Phase(timedelta(minutes=1), heartbeat=False),
-    "finish_run": Phase(timedelta(minutes=10)),
-    # No heartbeat timeout: it runs after any failure, a bad `heartbeat_timeout_s` included.
-    "release_run": Phase(timedelta(minutes=2), heartbeat=False),
-}
-
+from ratchet.workflows.phases import PHASES, RETRY
 
 @workflow.defn(name="TrainingWorkflow")
 class TrainingWorkflow:
