@@ -33,6 +33,14 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The ~1M-parameter Llama-config model the unit tests train and sample (read-only)."""
+    from ratchet.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     from ratchet.platform.assets import prepare_assets
 

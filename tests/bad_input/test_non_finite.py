@@ -6,18 +6,17 @@ model; the same through a real run is in tests/faults/test_worker_faults.py."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError, RewardFunctionError
 from ratchet.models.tiny import VOCAB
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
 from ratchet.workers.batch import RolloutBatch, ScoredStep, save_scores
 from ratchet.workers.policy_update import PolicyTrainer
 from ratchet.workers.scoring import score_batch
+from ..configs import make_cfg
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,26 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled, 
 PAD, BOS, EOS = VOCAB.index("<pad>"), VOCAB.index("<bos>"), VOCAB.index("<eos>")
 DIGITS = [VOCAB.index(str(d)) for d in range(10)]
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 0.25, 0.0])
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from ratchet.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def make_cfg(model_path, **sections) -> RunConfig:
-    raw = {
-        "seed": 0,
-        "model": {"path": str(model_path)},
-        "data": {"train_files": "unused.parquet"},
-        "rollout": {"n": 4, "max_response_length": 6},
-        "trainer": {"lr": 1e-3, "micro_batch_size": 4},
-    }
-    for name, values in sections.items():
-        raw[name] = {**raw.get(name, {}), **values}
-    return RunConfig.model_validate(raw)
 
 
 def make_batch(seed: int = 0) -> RolloutBatch:

@@ -19,6 +19,7 @@ import torch
 from ratchet.platform.client import RECIPE_PATH
 from ratchet.storage import BatchStore, ObjectStore
 from ratchet.workers.batch import RolloutBatch
+from ..polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -75,29 +76,19 @@ def test_staleness_bound_and_prompts_exactly_once(platform, mode):
     assert summary.dropped_samples == 0
 
 
-def wait_for(predicate, timeout: float = 120.0, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError("condition not reached in time")
-
-
 @pytest.mark.parametrize("mode", ["fully_async"])
 def test_pause_resume_stop(platform, mode):
     handle = platform.client.submit(
         RECIPE_PATH, platform.overrides(*FAST, f"loop.mode={mode}", "loop.steps=200", f"tracking.name=ctl-{mode.replace('_', '-')}")
     )
-    wait_for(lambda: handle.progress().step >= 2)
+    wait_until(lambda: handle.progress().step >= 2)
     handle.pause()
-    paused_at = wait_for(lambda: (p := handle.progress()).phase == "paused" and p.step)
+    paused_at = wait_until(lambda: (p := handle.progress()).phase == "paused" and p.step)
     time.sleep(3.0)
     assert handle.progress().step == paused_at, "a paused run must not advance"
     assert handle.progress().paused
     handle.resume()
-    wait_for(lambda: handle.progress().step >= paused_at + 2)
+    wait_until(lambda: handle.progress().step >= paused_at + 2)
     handle.stop()
     summary = handle.result(timeout=300)
     assert summary.stopped and paused_at + 2 <= summary.steps < 200

@@ -18,6 +18,7 @@ from ratchet.platform.client import RECIPE_PATH
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
 from ratchet.workers.batch import RolloutBatch, save_scores
 from ratchet.workers.results import CheckpointOutcome
+from ..polling import wait_until
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -29,13 +30,6 @@ REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 0.25, 0.0])
 # A tiny run that leaves CPUs to spare on a 2-core Ray.
 TINY = ["warmup.steps=0", "data.eval_files=null", "loop.prompts_per_step=4", "rollout.n=2", "resources.trainer_cpus=0.5",
         "resources.rollout_cpus=0.5"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from ratchet.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def make_cfg(model_path, **trainer) -> RunConfig:
@@ -200,16 +194,6 @@ def attempts(handle, activity_type: str) -> list[int]:
     ]
 
 
-def wait_until(cond, timeout: float = 300.0, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError("condition not reached in time")
-
-
 def reward_file(tmp_path: Path, body: str) -> str:
     path = tmp_path / "bad_reward.py"
     head = "import math, os, time\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -327,7 +311,7 @@ def test_worker_start_sweeps_the_actors_of_closed_runs(platform, ray_driver):
     client = platform.client
     handle = client.submit(RECIPE_PATH, platform.overrides(*TINY, "loop.steps=200", "tracking.name=sweep"))
     roles = lambda: {n.split("/")[1] for n in run_actor_names().get(handle.run_id, [])}  # noqa: E731
-    wait_until(lambda: {"trainer-0", "rollout-0", "reward-0"} <= roles())
+    wait_until(lambda: {"trainer-0", "rollout-0", "reward-0"} <= roles(), timeout=300)
 
     @ray_driver.remote(num_cpus=0)
     class Leftover:

@@ -26,13 +26,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from ratchet.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
 def copy_data(tmp_path_factory) -> Path:
     return write_task_parquet(tmp_path_factory.mktemp("data") / "copy.parquet", "copy", 32, seed=0, min_len=4, max_len=4)
 

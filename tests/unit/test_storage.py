@@ -226,13 +226,6 @@ def test_metrics_log_custom_key_and_file_url(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from ratchet.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
 def loaded(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -39,13 +39,6 @@ STEPS = 2  # updates before the save
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled, )?unavailable or uninitialized")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from ratchet.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
 def make_cfg(model_path) -> RunConfig:
     # KL on: the trainer holds a frozen reference, which is rebuilt, not saved.
     return RunConfig.model_validate(

@@ -23,6 +23,7 @@ from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_
 from ratchet.workers.prompts import PromptSet
 from ratchet.workers.rollout_batching import generate_batch, prompt_indices
 from ratchet.workers.scoring import score_batch
+from ..configs import make_cfg
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -36,13 +37,6 @@ def digit_id(d: str) -> int:
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from ratchet.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +71,6 @@ def engine(tiny_model) -> HFEngine:
 def train(trainer: PolicyTrainer, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
     """One update on a single-part step; the metrics."""
     return trainer.train_step(ScoredStep(batch, rewards, None), kl_coef=trainer.cfg.algorithm.kl.coef).metrics
-
-
-def make_cfg(model_path, **sections) -> RunConfig:
-    raw = {
-        "seed": 0,
-        "model": {"path": str(model_path)},
-        "data": {"train_files": "unused.parquet"},
-        "rollout": {"n": 4, "max_response_length": 6},
-        "trainer": {"lr": 1e-3, "micro_batch_size": 4},
-    }
-    for name, values in sections.items():
-        raw[name] = {**raw.get(name, {}), **values}
-    return RunConfig.model_validate(raw)
 
 
 @pytest.fixture(scope="module")
