@@ -195,7 +195,7 @@ def test_batch_and_metrics_keys(store):
         with pytest.raises(UnsafeKey):
             batches.has(1, bad)
     for step in (-1, 1.5, True, "1"):
-        with pytest.raises(ValueError, match="batch step"):
+        with pytest.raises(ValueError, match="batch index"):
             batches.has(step, "rollout")
     with pytest.raises(UnsafeKey):
         BatchStore(store, kind="../other")
