@@ -20,32 +20,7 @@ from temporalio import activity
 from ratchet.config.schema import RunConfig
 from ratchet.errors import CheckpointFailed
 from ratchet.storage import MetricsLog, ObjectStore, RunLayout
-from ratchet.types import (
-    BatchRef,
-    CheckpointInput,
-    CheckpointOutput,
-    EvalInput,
-    EvalOutput,
-    FinishInput,
-    FinishOutput,
-    PrepareInput,
-    PrepareOutput,
-    ReleaseInput,
-    ReleaseOutput,
-    RolloutInput,
-    RunRef,
-    ScoreInput,
-    ScoreOutput,
-    StartWorkersInput,
-    StartWorkersOutput,
-    StepRecord,
-    SyncInput,
-    SyncOutput,
-    TrainInput,
-    TrainOutput,
-    WarmupInput,
-    WarmupOutput,
-)
+from ratchet import types as t
 from ratchet.ids import check_id
 from ratchet.workers.actors import RunActors, release_run_actors
 from ratchet.workers.results import CheckpointOutcome, CheckpointStarted
@@ -69,36 +44,36 @@ def config_digest(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def actors_for(run: RunRef) -> RunActors:
+def actors_for(run: t.RunRef) -> RunActors:
     """The run's actors, waiting on them with heartbeats."""
     return RunActors(run.run_id, run.run_uri, _run_config(run.run_uri, run.config_id), waiter=ACTIVITY_WAITER)
 
 
 @activity.defn(name="prepare_run")
 @temporal_errors
-def prepare_run(inp: PrepareInput) -> PrepareOutput:
+def prepare_run(inp: t.PrepareInput) -> t.PrepareOutput:
     """Create the run folder and store the (already validated) config in it."""
     cfg = RunConfig.model_validate(inp.config)
     run_store = ObjectStore(cfg.storage.root).child(inp.run_id)
     stored = cfg.model_dump(mode="json")
     run_store.put_json(RunLayout.CONFIG, stored)
-    return PrepareOutput(run=RunRef(run_id=inp.run_id, run_uri=run_store.url, config_id=config_digest(stored)))
+    return t.PrepareOutput(run=t.RunRef(run_id=inp.run_id, run_uri=run_store.url, config_id=config_digest(stored)))
 
 
 @activity.defn(name="warmup")
 @temporal_errors
-def warmup(inp: WarmupInput) -> WarmupOutput:
+def warmup(inp: t.WarmupInput) -> t.WarmupOutput:
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     if cfg.warmup.steps == 0:
-        return WarmupOutput(policy_uri=cfg.model.path, loss_first=0.0, loss_last=0.0, seconds=0.0)
+        return t.WarmupOutput(policy_uri=cfg.model.path, loss_first=0.0, loss_last=0.0, seconds=0.0)
     task = ray.remote(warmup_policy).options(num_cpus=cfg.resources.trainer_cpus, max_retries=0)
     out = wait(task.remote(cfg, cfg.model.path, inp.run.run_uri))
-    return WarmupOutput(policy_uri=out.uri, loss_first=out.loss_first, loss_last=out.loss_last, seconds=out.seconds)
+    return t.WarmupOutput(policy_uri=out.uri, loss_first=out.loss_first, loss_last=out.loss_last, seconds=out.seconds)
 
 
 @activity.defn(name="start_workers")
 @temporal_errors
-def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
+def start_workers(inp: t.StartWorkersInput) -> t.StartWorkersOutput:
     """Create the run's actors. On a resume from a checkpoint (`restore_version` set), first
     release whatever actors the run still has, and rebuild the trainer at that version."""
     t0 = time.perf_counter()
@@ -111,22 +86,22 @@ def start_workers(inp: StartWorkersInput) -> StartWorkersOutput:
         wait([actors.start_rollout(source).policy_version.remote(), actors.start_reward(source).__ray_ready__.remote()])
         if actors.cfg.uses_critic:
             actors.critic(inp.restore_version)  # from the checkpoint, like the trainer
-        return StartWorkersOutput(policy_version=inp.restore_version, num_parameters=0, seconds=time.perf_counter() - t0)
+        return t.StartWorkersOutput(policy_version=inp.restore_version, num_parameters=0, seconds=time.perf_counter() - t0)
     n_params = actors.start_trainers(inp.policy_uri)
     ready = [actors.start_rollout(inp.policy_uri).policy_version.remote(), actors.start_reward(inp.policy_uri).__ray_ready__.remote()]
     if actors.cfg.uses_critic:
         ready.append(actors.start_critic().__ray_ready__.remote())
     wait(ready)
-    return StartWorkersOutput(policy_version=0, num_parameters=n_params, seconds=time.perf_counter() - t0)
+    return t.StartWorkersOutput(policy_version=0, num_parameters=n_params, seconds=time.perf_counter() - t0)
 
 
 @activity.defn(name="generate")
 @temporal_errors
-def generate(inp: RolloutInput) -> BatchRef:
+def generate(inp: t.RolloutInput) -> t.BatchRef:
     actors = actors_for(inp.run)
     rollout = actors.rollout(inp.policy_version, exact=inp.exact_version)
     out = wait(rollout.generate.remote(inp.batch_index, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part, inp.exact_version))
-    return BatchRef(
+    return t.BatchRef(
         run_id=inp.run.run_id,
         index=inp.batch_index,
         uri=out.uri,
@@ -143,17 +118,17 @@ def generate(inp: RolloutInput) -> BatchRef:
 
 @activity.defn(name="score")
 @temporal_errors
-def score(inp: ScoreInput) -> ScoreOutput:
+def score(inp: t.ScoreInput) -> t.ScoreOutput:
     actors = actors_for(inp.run)
     out = actors.score(inp.batch.index, RunLayout.BATCHES, inp.batch.part)
-    return ScoreOutput(
+    return t.ScoreOutput(
         reward_mean=out.reward_mean, reward_std=out.reward_std, seconds=out.seconds, informative_groups=out.informative_groups
     )
 
 
 @activity.defn(name="train")
 @temporal_errors
-def train(inp: TrainInput) -> TrainOutput:
+def train(inp: t.TrainInput) -> t.TrainOutput:
     """Policy update; with a critic (GAE), values first and the critic's own update after."""
     t0 = time.perf_counter()
     actors = actors_for(inp.run)
@@ -167,33 +142,33 @@ def train(inp: TrainInput) -> TrainOutput:
     metrics = dict(outs[0].metrics)
     if critic is not None:
         metrics.update(wait(critic.update.remote(batch_index, parts)))
-    return TrainOutput(
+    return t.TrainOutput(
         policy_version=outs[0].policy_version, metrics=metrics, seconds=time.perf_counter() - t0, kl_coef=outs[0].kl_coef
     )
 
 
 @activity.defn(name="sync_weights")
 @temporal_errors
-def sync_weights(inp: SyncInput) -> SyncOutput:
+def sync_weights(inp: t.SyncInput) -> t.SyncOutput:
     t0 = time.perf_counter()
     moved, version = actors_for(inp.run).sync_weights(inp.policy_version)
-    return SyncOutput(policy_version=version, seconds=time.perf_counter() - t0, megabytes=moved / 1e6)
+    return t.SyncOutput(policy_version=version, seconds=time.perf_counter() - t0, megabytes=moved / 1e6)
 
 
 @activity.defn(name="evaluate")
 @temporal_errors
-def evaluate(inp: EvalInput) -> EvalOutput:
+def evaluate(inp: t.EvalInput) -> t.EvalOutput:
     """Greedy answers on the fixed eval prompts, scored by the reward worker."""
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     actors = actors_for(inp.run)
     gen = wait(actors.rollout(inp.policy_version).generate_eval.remote(inp.step, cfg.data.eval_size))
     out = actors.score(inp.step, RunLayout.EVALS)  # eval batches are stored by training step
-    return EvalOutput(step=inp.step, reward_mean=out.reward_mean, num_samples=gen.num_samples)
+    return t.EvalOutput(step=inp.step, reward_mean=out.reward_mean, num_samples=gen.num_samples)
 
 
 @activity.defn(name="checkpoint")
 @temporal_errors
-def checkpoint(inp: CheckpointInput) -> CheckpointOutput:
+def checkpoint(inp: t.CheckpointInput) -> t.CheckpointOutput:
     """Snapshot the trainer state; the ranks write, export and upload it in the background,
     and the manifest committed last makes it exist (workers/trainer.py)."""
     actors = actors_for(inp.run)
@@ -213,7 +188,7 @@ def checkpoint(inp: CheckpointInput) -> CheckpointOutput:
     if now_failed:
         earlier = f" (after an earlier one: {failed})" if failed else ""
         raise CheckpointFailed(f"run {inp.run.run_id}: {now_failed}{earlier}")
-    return CheckpointOutput(
+    return t.CheckpointOutput(
         name=outs[0].name,
         stall_seconds=max(o.stall_seconds for o in outs),
         waited_seconds=max(o.waited_seconds for o in outs),
@@ -247,13 +222,13 @@ def _settle_last_checkpoint(run_id: str, ranks: list) -> None:
 
 @activity.defn(name="record_step")
 @temporal_errors
-def record_step(inp: StepRecord) -> None:
+def record_step(inp: t.StepRecord) -> None:
     MetricsLog(ObjectStore(inp.run.run_uri)).write(inp.step, inp.metrics)
 
 
 @activity.defn(name="finish_run")
 @temporal_errors
-def finish_run(inp: FinishInput) -> FinishOutput:
+def finish_run(inp: t.FinishInput) -> t.FinishOutput:
     """Export the final policy and release the run's actors."""
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     actors = actors_for(inp.run)
@@ -264,18 +239,18 @@ def finish_run(inp: FinishInput) -> FinishOutput:
         uri = wait([a.export.remote(RunLayout.FINAL_MODEL) for a in ranks])[0]
     killed = actors.shutdown()
     log.info("run %s finished; released %s", inp.run.run_id, ", ".join(killed))
-    return FinishOutput(final_policy_uri=uri)
+    return t.FinishOutput(final_policy_uri=uri)
 
 
 @activity.defn(name="release_run")
 @temporal_errors
-def release_run(inp: ReleaseInput) -> ReleaseOutput:
+def release_run(inp: t.ReleaseInput) -> t.ReleaseOutput:
     """Kill the run's actors, however the run ended (the workflow calls it on failure and
     cancellation too): a failed run must not keep its CPUs from the next one."""
     killed = release_run_actors(check_id(inp.run_id))
     if killed:
         log.info("run %s: released %s", inp.run_id, ", ".join(killed))
-    return ReleaseOutput(released=killed)
+    return t.ReleaseOutput(released=killed)
 
 
 ALL_ACTIVITIES = [
