@@ -55,14 +55,19 @@ def wait_name_free(name: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def kill_named(names: list[str]) -> None:
-    """Kill these actors (a missing one is skipped) and wait until their names are free."""
+def kill_named(names: list[str], timeout_s: float = 30.0) -> list[str]:
+    """Kill these actors (a missing one is skipped) and wait until their names are free;
+    returns the names that were alive."""
+    killed = []
     for name in names:
         actor = find_named(name)
         if actor is not None:
             ray.kill(actor, no_restart=True)
-    for name in names:
-        wait_name_free(name)
+            killed.append(name)
+    deadline = time.monotonic() + timeout_s
+    for name in killed:
+        wait_name_free(name, max(0.0, deadline - time.monotonic()))
+    return killed
 
 
 def run_actor_names() -> dict[str, list[str]]:
@@ -79,21 +84,7 @@ def release_run_actors(run_id: str, *, timeout_s: float = 30.0) -> list[str]:
     """Kill every named actor of run `run_id` (whatever roles and world size it had) and
     wait for their names to be free; returns the names killed. Needs no config, so it
     works on every way out of a run, also when the run failed before its config was stored."""
-    prefix = f"{run_id}/"
-    killed = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != NAMESPACE or not entry["name"].startswith(prefix):
-            continue
-        try:
-            ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
-        except ValueError:
-            continue  # gone meanwhile
-        killed.append(entry["name"])
-    deadline = time.monotonic() + timeout_s
-    for name in killed:
-        while find_named(name) is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
-    return killed
+    return kill_named(run_actor_names().get(run_id, []), timeout_s)
 
 
 async def release_closed_runs(run_is_open: Callable[[str], Awaitable[bool]]) -> dict[str, list[str]]:

@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import ray
 
 from ratchet.errors import WorkerLost
 from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
 
-from .names import Role
+from .names import Role, kill_named
 
 if TYPE_CHECKING:
     from .run_actors import RunActors
@@ -80,10 +79,7 @@ def restore_critic(actors: RunActors, expected_version: int):
     the last good checkpoint at or before it (none: the initial critic), then the logged
     updates after it. Returns the actor."""
     t0 = time.perf_counter()
-    old = actors.find(Role.CRITIC)
-    if old is not None:
-        ray.kill(old, no_restart=True)
-        actors.wait_name_free(actors.name(Role.CRITIC))
+    kill_named([actors.name(Role.CRITIC)])
     critic = actors.start_critic()
     store = ObjectStore(actors.run_uri)
     checkpoints = CheckpointStore(store)

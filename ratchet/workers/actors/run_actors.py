@@ -24,7 +24,7 @@ from ..reward import RewardWorker
 from ..rollout import RolloutWorker
 from ..trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
 from . import placement
-from .names import Role, actor_name, find_named, kill_named, release_run_actors, run_actor_names, wait_name_free
+from .names import Role, actor_name, find_named, kill_named, release_run_actors, run_actor_names
 from .waiting import PlainWaiter, Waiter, WaitTimeout
 
 log = logging.getLogger(__name__)
@@ -133,9 +133,6 @@ class RunActors:
         prefix = self.name(Role.TRAINER, 0)[:-1]
         kill_named([n for n in run_actor_names().get(self.run_id, []) if n.startswith(prefix)])
 
-    def wait_name_free(self, name: str, timeout_s: float = 30.0) -> None:
-        wait_name_free(name, timeout_s)
-
     # -- rollout and reward --------------------------------------------------------------
 
     def start_rollout(self, policy_path: str):
@@ -209,8 +206,7 @@ class RunActors:
         try:
             return self.wait(actor.score.remote(batch_index, kind, part), timeout_s=timeout_s)
         except WaitTimeout:
-            ray.kill(actor, no_restart=True)
-            self.wait_name_free(self.name(Role.REWARD))
+            kill_named([self.name(Role.REWARD)])
             raise RewardTimeout(
                 f"run {self.run_id}: scoring batch {batch_index} of {kind}/ took longer than reward.timeout_s={timeout_s:g} s; the "
                 "reward worker was killed and the next attempt uses a new one. Fix a reward function that hangs, or "
