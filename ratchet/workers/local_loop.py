@@ -75,7 +75,7 @@ class LocalLoop:
         if self.critic:
             metrics.update(self.critic.update(batch, values, result.returns))
         t.append(time.perf_counter())
-        self.engine.load_weights(self.trainer.state_numpy())
+        self.engine.load_weights(self.trainer.state_numpy().items())
         t.append(time.perf_counter())
         metrics.update(
             reward_mean=rewards.mean().item(),

@@ -163,7 +163,7 @@ class RolloutWorker:
     _pending_allowed = False  # set while a swappable generation runs
 
     def _load(self, weights: Mapping[str, np.ndarray], version: int) -> None:
-        self.engine.load_weights(weights)
+        self.engine.load_weights(weights.items())
         self.version = version
 
     def _swap(self) -> int | None:

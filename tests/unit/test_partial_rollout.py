@@ -48,7 +48,7 @@ def test_engine_swaps_weights_between_decode_steps(tiny_model):
     def swap():
         calls.append(1)
         if len(calls) == 4:  # after the 4th token's logits: tokens 0-3 old, 4.. new
-            engine.load_weights(new)
+            engine.load_weights(new.items())
             return 3
         return None
 
@@ -62,7 +62,7 @@ def test_engine_swaps_weights_between_decode_steps(tiny_model):
         assert s.token_ids[:4] == p.token_ids[:4] and s.logprobs[:4] == p.logprobs[:4]
     # After the swap the new weights sample: the continuations differ.
     assert sum(p.token_ids[4:] != s.token_ids[4:] for p, s in long) >= len(long) // 2
-    engine.load_weights({k: v.numpy() for k, v in original.items()})
+    engine.load_weights((k, v.numpy()) for k, v in original.items())
 
 
 def make_cfg(model: Path, data: Path, run: Path, **loop) -> RunConfig:

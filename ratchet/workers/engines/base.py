@@ -6,7 +6,7 @@ Engines are listed in `catalog.py`; this module imports neither torch nor numpy 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -62,6 +62,11 @@ class Engine(Protocol):
         `version`, or with the version `weight_swap` reports from the step it swapped on."""
         ...
 
-    def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Replace the engine's weights with the trainer's (same names as the HF model)."""
+    def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Replace the engine's weights with the trainer's: (name, array) pairs named as in
+        the Hugging Face model, consumed one at a time. The pairs may come from a stream
+        of size-bounded buckets (workers/weight_sync.py), so an engine must not hold on to
+        more than the pair it is loading; every parameter (a tied `lm_head.weight`
+        excepted) arrives exactly once per call. An array in another dtype than the
+        engine's is cast."""
         ...

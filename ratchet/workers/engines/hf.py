@@ -10,7 +10,7 @@ do), which the stored per-token behaviour log-probs and versions account for.
 from __future__ import annotations
 
 import warnings
-from typing import Mapping
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -101,13 +101,24 @@ class HFEngine:
             results = [group * params.n for group in results]
         return results
 
-    def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        with warnings.catch_warnings():
-            # Arrays from Ray's object store are read-only; load_state_dict copies them anyway.
+    def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
+        # Every parameter must arrive. A tied lm_head.weight (the embedding's storage under
+        # a second name) may arrive too and is skipped: the embedding alone decides it.
+        params = dict(self.model.named_parameters())
+        aliases = set(self.model.state_dict()) - set(params)
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        with torch.no_grad(), warnings.catch_warnings():
+            # Arrays from Ray's object store are read-only; copy_ reads them without writing.
             warnings.simplefilter("ignore", UserWarning)
-            state = {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        # Tied embeddings: lm_head.weight may be absent from the trainer's export.
-        missing = [k for k in missing if k != "lm_head.weight"]
+            for name, array in weights:
+                target = params.get(name)
+                if target is None:
+                    if name not in aliases:
+                        unexpected.append(name)
+                    continue
+                target.copy_(torch.from_numpy(np.asarray(array)).to(target.dtype))
+                loaded.add(name)
+        missing = sorted(set(params) - loaded)
         if missing or unexpected:
             raise ValueError(f"weight names do not match the engine's model: missing={missing[:5]} unexpected={unexpected[:5]}")
