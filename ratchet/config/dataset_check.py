@@ -7,9 +7,10 @@ over-long prompt, a tokenizer without a pad token or a chat template fail inside
 rollout actor, retried five times. Here each problem is one issue naming the file's field,
 the first few rows (counted from 0, as pyarrow and pandas do) and how many rows share it.
 
-Each file is read once (pyarrow, only the columns the run uses) and its prompts are
-tokenized in one batch, with the call the rollout makes (`apply_chat_template` with the
-generation prompt, workers/prompts.py), so a prompt passes here if and only if the rollout
+Each file (parquet, JSON Lines or a `save_to_disk` folder: ratchet/data/files.py) is read
+once, only the columns the run uses, and its prompts are tokenized in one batch with the
+call the rollout makes (ratchet/data/prompt_format.py: the chat template with the
+generation prompt, or the raw text), so a prompt passes here if and only if the rollout
 accepts it. transformers and pyarrow are imported inside the functions: validating a
 config without `check_files` stays free of them.
 """
@@ -21,6 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ratchet.data.files import DatasetFileError, read_dataset
+from ratchet.data.prompt_format import encode_prompts, prompt_problem, resolve_prompt_format
+
 if TYPE_CHECKING:
     from ratchet.config.schema import RunConfig
 
@@ -30,7 +34,7 @@ MAX_ROWS_SHOWN = 5
 # config.json keys that give a model's context length, by architecture family.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-LAYOUT = "verl's layout: prompt (chat messages), data_source, reward_model {ground_truth}, extra_info"
+LAYOUT = "verl's layout: prompt (chat messages or a string), data_source, reward_model {ground_truth}, extra_info"
 
 
 class RowProblems:
@@ -64,11 +68,17 @@ def check_data(cfg: RunConfig) -> list[Issue]:
     tokenizer, tokenizer_issues = load_tokenizer(cfg)
     issues += tokenizer_issues
     datasets = [("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)]
+    template_issue_added = False
     for field, path in datasets:
         if path is None:
             continue
         rows, file_issues = check_dataset(cfg, field, path, tokenizer)
-        issues += file_issues
+        for issue in file_issues:
+            # One "no chat template" issue, even when both datasets hold chat messages.
+            if issue[0] == "model.path" and template_issue_added:
+                continue
+            template_issue_added |= issue[0] == "model.path"
+            issues.append(issue)
         if field == "data.train_files" and rows is not None and rows < cfg.loop.prompts_per_step:
             issues.append(
                 (
@@ -159,15 +169,7 @@ def load_tokenizer(cfg: RunConfig) -> tuple[Any, list[Issue]]:
                 "set eos_token in its tokenizer_config.json, or warmup.steps=0",
             )
         )
-    if not getattr(tokenizer, "chat_template", None):
-        issues.append(
-            (
-                "model.path",
-                f"the tokenizer in {cfg.model.path} has no chat template, and prompts are chat messages the rollout "
-                "renders with it; use an instruct model, or add a chat_template to its tokenizer_config.json",
-            )
-        )
-        return None, issues  # prompts cannot be measured without one
+    # Whether it needs a chat template depends on each dataset's prompt format (check_dataset).
     return tokenizer, issues
 
 
@@ -186,38 +188,50 @@ def required_columns(cfg: RunConfig) -> dict[str, str]:
 
 
 def check_dataset(cfg: RunConfig, field: str, path: str, tokenizer: Any) -> tuple[int | None, list[Issue]]:
-    """(row count, issues) of one parquet file; the count is None when the file cannot be read."""
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-        present = set(parquet.schema_arrow.names)
-    except Exception as exc:  # not a parquet file, truncated, unreadable
-        return None, [(field, f"cannot read {path} as parquet: {type(exc).__name__}: {_first_line(exc)}")]
+    """(row count, issues) of one dataset file; the count is None when the file cannot be read."""
     needed = required_columns(cfg)
-    missing = [column for column in needed if column not in present]
+    try:
+        table = read_dataset(path, [*needed, "extra_info"])
+    except DatasetFileError as exc:  # unknown format, not parquet, truncated, unreadable
+        return None, [(field, str(exc))]
+    if table.num_rows == 0:
+        return 0, [(field, f"{path} has no rows")]
+    missing = [column for column in needed if column not in table.column_names]
     if missing:
         hint = "; set data.prompt_key to the column that holds the prompts" if cfg.data.prompt_key in missing else ""
         details = "; ".join(f"{c!r} ({needed[c]})" for c in missing)
-        columns = ", ".join(sorted(present)) or "none"
-        return parquet.metadata.num_rows, [(field, f"missing columns {details}; its columns: {columns}; expected {LAYOUT}{hint}")]
-    wanted = [c for c in (*needed, "extra_info") if c in present]
-    table = parquet.read(columns=wanted)
-    if table.num_rows == 0:
-        return 0, [(field, f"{path} has no rows")]
+        columns = ", ".join(sorted(table.column_names)) or "none"
+        return table.num_rows, [(field, f"missing columns {details}; its columns: {columns}; expected {LAYOUT}{hint}")]
     problems = RowProblems(field, table.num_rows)
-    columns = {name: table.column(name).to_pylist() for name in wanted}
-    prompts = columns[cfg.data.prompt_key]
+    for row, why in table.unreadable.items():
+        problems.add(row, why)
+    prompts = table.columns[cfg.data.prompt_key]
+    fmt = resolve_prompt_format(cfg.data.prompt_format, [p for i, p in enumerate(prompts) if i not in table.unreadable])
+    issues: list[Issue] = []
+    if fmt == "chat" and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        issues.append(_no_template_issue(cfg, field))
+        tokenizer = None  # prompts cannot be measured without one
     for row in range(table.num_rows):
-        check_row(cfg, {name: values[row] for name, values in columns.items()}, row, problems)
+        if row not in table.unreadable:
+            check_row(cfg, {name: values[row] for name, values in table.columns.items()}, row, problems, fmt)
     if tokenizer is not None:
-        check_prompt_lengths(cfg, tokenizer, prompts, problems)
-    return table.num_rows, problems.issues()
+        check_prompt_lengths(cfg, tokenizer, prompts, problems, fmt, skip=table.unreadable)
+    return table.num_rows, issues + problems.issues()
 
 
-def check_row(cfg: RunConfig, row: dict[str, Any], index: int, problems: RowProblems) -> None:
+def _no_template_issue(cfg: RunConfig, field: str) -> Issue:
+    why = "with data.prompt_format=chat" if cfg.data.prompt_format == "chat" else "for its chat-message prompts (TRL's conversational format)"
+    return (
+        "model.path",
+        f"the tokenizer in {cfg.model.path} has no chat template, which {field} needs {why}; add a chat_template to "
+        "its tokenizer_config.json or use an instruct model, or give the prompts as plain strings (TRL's standard "
+        "format) with data.prompt_format=raw or auto",
+    )
+
+
+def check_row(cfg: RunConfig, row: dict[str, Any], index: int, problems: RowProblems, fmt: str = "chat") -> None:
     key = cfg.data.prompt_key
-    problem = prompt_problem(row[key])
+    problem = prompt_problem(row[key], fmt, cfg.data.prompt_format)  # type: ignore[arg-type]
     if problem is not None:
         problems.add(index, f"{key} {problem}")
     if "data_source" in row and not (isinstance(row["data_source"], str) and row["data_source"]):
@@ -237,55 +251,36 @@ def check_row(cfg: RunConfig, row: dict[str, Any], index: int, problems: RowProb
         problems.add(index, f"extra_info must be a mapping or null, got {_kind(extra)}")
 
 
-def prompt_problem(prompt: Any) -> str | None:
-    """What is wrong with one prompt value, or None for a list of {role, content} messages."""
-    expected = "must be a list of chat messages {role, content}"
-    if not isinstance(prompt, list):
-        return f"{expected}, got {_kind(prompt)}"
-    if not prompt:
-        return f"{expected}, got an empty list"
-    for i, message in enumerate(prompt):
-        if not isinstance(message, dict):
-            return f"{expected}, but message {i} is {_kind(message)}"
-        for part in ("role", "content"):
-            if not isinstance(message.get(part), str):
-                return f"{expected}, but message {i} has {_kind(message.get(part))} as its {part}"
-    return None
-
-
-def check_prompt_lengths(cfg: RunConfig, tokenizer: Any, prompts: Sequence[Any], problems: RowProblems) -> None:
+def check_prompt_lengths(
+    cfg: RunConfig, tokenizer: Any, prompts: Sequence[Any], problems: RowProblems, fmt: str = "chat", skip: Any = ()
+) -> None:
     """Tokenize the well-formed prompts in one batch and flag those over data.max_prompt_length."""
-    rows = [i for i, p in enumerate(prompts) if prompt_problem(p) is None]
+    setting = cfg.data.prompt_format
+    rows = [i for i, p in enumerate(prompts) if i not in skip and prompt_problem(p, fmt, setting) is None]  # type: ignore[arg-type]
     if not rows:
         return
     try:
-        lengths = dict(zip(rows, (len(ids) for ids in encode_prompts(tokenizer, [prompts[i] for i in rows]))))
+        lengths = dict(zip(rows, (len(ids) for ids in encode_prompts(tokenizer, [prompts[i] for i in rows], fmt))))  # type: ignore[arg-type]
     except Exception:
         # The chat template refused some conversation (e.g. roles that do not alternate):
         # find which, one row at a time; only this failure path pays per row.
         lengths = {}
         for i in rows:
             try:
-                lengths[i] = len(encode_prompts(tokenizer, [prompts[i]])[0])
+                lengths[i] = len(encode_prompts(tokenizer, [prompts[i]], fmt)[0])  # type: ignore[arg-type]
             except Exception as exc:
                 problems.add(i, f"the tokenizer's chat template refuses this prompt: {type(exc).__name__}: {_first_line(exc)}")
     limit = cfg.data.max_prompt_length
     too_long = [i for i, n in lengths.items() if n > limit]
+    how = "with the chat template" if fmt == "chat" else "as raw text (data.prompt_format)"
     if too_long:
         longest = max(lengths[i] for i in too_long)
         for i in too_long:
             problems.add(
                 i,
-                f"prompt is longer than data.max_prompt_length={limit} tokens with the chat template (the longest has "
+                f"prompt is longer than data.max_prompt_length={limit} tokens {how} (the longest has "
                 f"{longest}); raise data.max_prompt_length or drop these rows",
             )
-
-
-def encode_prompts(tokenizer: Any, conversations: list[list[dict]]) -> list[list[int]]:
-    """Token ids of chat conversations, exactly as the rollout builds them (workers/prompts.py)."""
-    out = tokenizer.apply_chat_template(conversations, tokenize=True, add_generation_prompt=True)
-    ids = out["input_ids"] if hasattr(out, "keys") else out
-    return [list(i) for i in ids]
 
 
 def _kind(value: Any) -> str:

@@ -26,6 +26,7 @@ from pydantic_core import ErrorDetails
 from ratchet.config import credentials
 from ratchet.config.dataset_check import check_data
 from ratchet.config.schema import RunConfig
+from ratchet.data.files import DatasetFileError, dataset_format
 from ratchet.tasks.loading import RewardLoadError, load_reward_fn
 
 __all__ = ["ConfigError", "Issue", "config_to_yaml", "load_config", "validate_config"]
@@ -349,8 +350,11 @@ def _check_files(cfg: RunConfig) -> list[Issue]:
             continue
         if not Path(name).exists():
             issues.append((field, f"file not found: {name}; {PREPARE_HINT}"))
-        elif not Path(name).is_file():
-            issues.append((field, f"expected a parquet file, got a folder: {name}"))
+        else:
+            try:
+                dataset_format(name)  # parquet, JSON Lines or a save_to_disk folder, by the path
+            except DatasetFileError as exc:
+                issues.append((field, str(exc)))
     if cfg.reward.function is not None:
         try:
             load_reward_fn(cfg.reward.function)

@@ -1,4 +1,14 @@
-"""Load a reward function named 'package.module:function' or 'path/to/file.py:function'."""
+"""Load a reward function named 'package.module:function' or 'path/to/file.py:function',
+and find out once, from its signature, which token ids it asks for.
+
+verl's signature `compute_score(data_source, solution_str, ground_truth, extra_info=None)`
+gets text only. A function that also declares `response_ids` (the sampled tokens, as the
+policy is trained on them, EOS included when sampled), `prompt_ids` (the prompt's tokens,
+chat template included), or `completion_ids` (TRL's name for `response_ids`), or takes
+`**kwargs` as TRL's reward functions do, gets those too, as lists of ints: a reward
+defined on tokens (a length penalty in tokens, a banned token id) cannot be recovered from
+`solution_str`, which is decoded without special tokens.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +16,50 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 REQUIRED_PARAMS = ("data_source", "solution_str", "ground_truth")
+TOKEN_PARAMS = ("response_ids", "prompt_ids", "completion_ids")
 
 
 class RewardLoadError(ValueError):
     pass
 
 
-def load_reward_fn(spec: str) -> Callable:
-    """Import and return the function; raise RewardLoadError saying what is wrong and how to fix it."""
+@dataclass(frozen=True)
+class RewardFunction:
+    """A user reward function and the token-id arguments it takes (of TOKEN_PARAMS)."""
+
+    fn: Callable[..., Any]
+    token_params: tuple[str, ...] = ()
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.fn(**kwargs)
+
+    @classmethod
+    def wrap(cls, fn: Callable[..., Any]) -> RewardFunction:
+        """`fn` with its token-id parameters read from its signature (none when it has no
+        inspectable signature); a RewardFunction is returned as it is."""
+        if isinstance(fn, RewardFunction):
+            return fn
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return cls(fn)
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return cls(fn, TOKEN_PARAMS)
+        named = [
+            name for name in TOKEN_PARAMS
+            if name in params and params[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]  # fmt: skip
+        return cls(fn, tuple(named))
+
+
+def load_reward_fn(spec: str) -> RewardFunction:
+    """Import the function and return it with the token ids it asks for; raise
+    RewardLoadError saying what is wrong and how to fix it."""
     target, sep, fn_name = spec.rpartition(":")
     if not sep or not target or not fn_name:
         raise RewardLoadError(f"{spec!r} is not 'module:function' or 'path/to/file.py:function'")
@@ -48,12 +90,25 @@ def load_reward_fn(spec: str) -> Callable:
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return fn
+        return RewardFunction.wrap(fn)
     accepts_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     missing = [p for p in REQUIRED_PARAMS if p not in params]
     if missing and not accepts_kwargs:
         raise RewardLoadError(
             f"{spec!r} lacks parameters {', '.join(missing)}; expected "
-            "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
+            "compute_score(data_source, solution_str, ground_truth, extra_info=None), optionally with response_ids, "
+            "prompt_ids (token ids, lists of ints)"
         )
-    return fn
+    # Anything else it requires would be missing at every call: refuse it now.
+    given = {*REQUIRED_PARAMS, "extra_info", *TOKEN_PARAMS}
+    unknown = [
+        name for name, p in params.items()
+        if name not in given and p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]  # fmt: skip
+    if unknown:
+        raise RewardLoadError(
+            f"{spec!r} requires parameters ratchet does not pass: {', '.join(unknown)}; it passes data_source, "
+            f"solution_str, ground_truth, extra_info and, when asked for, {', '.join(TOKEN_PARAMS)}; give the others defaults"
+        )
+    return RewardFunction.wrap(fn)

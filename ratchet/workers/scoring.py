@@ -1,4 +1,5 @@
-"""Apply a verl-signature reward function to a batch's decoded responses."""
+"""Apply a verl-signature reward function to a batch's decoded responses (and, for a
+function that asks for them, their token ids: tasks/loading.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Callable
 import torch
 
 from ratchet.errors import NonFiniteError, RewardFunctionError
+from ratchet.tasks.loading import RewardFunction
 
 from .batch import RolloutBatch
 
@@ -18,12 +20,16 @@ def _where(batch_index: int | None, row: int, info: dict) -> str:
     return f"{at}row {row} (data_source {info.get('data_source')!r})"
 
 
-def _call(reward_fn: Callable, batch_index: int | None, row: int, info: dict, text: str):
+def _call(reward_fn: Callable, batch_index: int | None, row: int, info: dict, text: str, token_args: dict | None = None):
     """The function's result; its own exception becomes a RewardFunctionError naming the
     sample and where in the function it failed: a bug there fails the same on every retry."""
     try:
         return reward_fn(
-            data_source=info["data_source"], solution_str=text, ground_truth=info["ground_truth"], extra_info=info["extra_info"]
+            data_source=info["data_source"],
+            solution_str=text,
+            ground_truth=info["ground_truth"],
+            extra_info=info["extra_info"],
+            **(token_args or {}),
         )
     except Exception as e:  # noqa: BLE001 - user code: any error is the user's to fix
         frame = traceback.extract_tb(e.__traceback__)[-1]
@@ -45,13 +51,26 @@ def check_finite_rewards(rewards: torch.Tensor, samples: list[dict], batch_index
         )
 
 
+def token_args(batch: RolloutBatch, row: int, response: list[int], wanted: tuple[str, ...]) -> dict[str, list[int]]:
+    """The token-id arguments a reward function asked for, for one row (unpadded)."""
+    args: dict[str, list[int]] = {}
+    for name in wanted:
+        if name in ("response_ids", "completion_ids"):
+            args[name] = list(response)  # a copy each: the function may change its list
+        elif name == "prompt_ids":
+            args[name] = batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist()
+    return args
+
+
 def score_batch(batch: RolloutBatch, tokenizer, reward_fn: Callable, batch_index: int | None = None) -> tuple[torch.Tensor, list[dict]]:
     """Rewards [B] and, per sample, the extra numbers a dict-returning function gave."""
+    fn = RewardFunction.wrap(reward_fn)  # a plain callable (tests, the local loop) is inspected here
     rewards, extras = [], []
     for row, info in enumerate(batch.samples):
         n = int(batch.response_mask[row].sum().item())
-        text = tokenizer.decode(batch.response_ids[row, :n].tolist(), skip_special_tokens=True)
-        out = _call(reward_fn, batch_index, row, info, text)
+        response = batch.response_ids[row, :n].tolist()
+        text = tokenizer.decode(response, skip_special_tokens=True)
+        out = _call(fn, batch_index, row, info, text, token_args(batch, row, response, fn.token_params))
         if isinstance(out, dict):
             if "score" not in out:
                 raise RewardFunctionError(

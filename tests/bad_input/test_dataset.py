@@ -53,11 +53,14 @@ def test_good_rows_pass(assets, tmp_path) -> None:
     assert cfg.data.train_files == str(train)
 
 
-def test_plain_string_prompt(assets, tmp_path) -> None:
-    rows = good_rows()
-    rows = [{**r, "prompt": r["prompt"][0]["content"]} for r in rows]
-    (message,) = issues_for(assets, write(tmp_path, rows))["data.train_files"]
-    assert message.startswith("rows 0, 1, 2, 3, 4 and 15 more (every row): prompt must be a list of chat messages {role, content}, got a str")
+def test_chat_prompts_with_prompt_format_raw(assets, tmp_path) -> None:
+    """Plain strings are fine (TRL's standard format, tests/bad_input/test_dataset_formats.py);
+    chat messages under data.prompt_format=raw are not: rendering them needs the template."""
+    (message,) = issues_for(assets, write(tmp_path, good_rows()), "data.prompt_format=raw")["data.train_files"]
+    assert message.startswith(
+        "rows 0, 1, 2, 3, 4 and 15 more (every row): prompt is a list of chat messages {role, content}, which needs the "
+        "chat template; set data.prompt_format=chat (or auto)"
+    )
 
 
 def test_missing_reward_model_column(assets, tmp_path) -> None:
@@ -114,10 +117,10 @@ def test_over_long_prompt(assets, tmp_path) -> None:
 
 def test_eval_file_is_checked_too(assets, tmp_path) -> None:
     train = write(tmp_path, good_rows())
-    evals = write(tmp_path, [{**r, "prompt": "copy : 1 2"} for r in good_rows(3)], "eval.parquet")
+    evals = write(tmp_path, [{**r, "prompt": 12} for r in good_rows(3)], "eval.parquet")
     issues = issues_for(assets, train, evals=evals)
     assert list(issues) == ["data.eval_files"]
-    assert issues["data.eval_files"][0].startswith("rows 0, 1, 2 (every row): prompt must be a list")
+    assert issues["data.eval_files"][0].startswith("rows 0, 1, 2 (every row): prompt must be a list of chat messages {role, content}, got an int")
 
 
 def test_not_a_parquet_file(assets, tmp_path) -> None:

@@ -201,5 +201,5 @@ def test_batch_and_metrics_keys(store):
         BatchStore(store, kind="../other")
     with pytest.raises(UnsafeKey):
         MetricsLog(store, key="../metrics.jsonl")
-    MetricsLog(store).write(1, {"loss": 0.5})
-    assert MetricsLog(store).read() == [{"step": 1, "loss": 0.5}]
+    MetricsLog(store, clock=lambda: 0.0).write(1, {"loss": 0.5})
+    assert MetricsLog(store).read() == [{"step": 1, "loss": 0.5, "time_unix": 0.0, "time_utc": "1970-01-01T00:00:00.000+00:00"}]

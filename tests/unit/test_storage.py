@@ -199,15 +199,16 @@ def test_rewriting_a_step_overwrites(tmp_path):
 
 def test_metrics_log_one_line_per_step_latest_wins(tmp_path):
     store = ObjectStore(str(tmp_path))
-    log = MetricsLog(store)
+    log = MetricsLog(store, clock=lambda: 0.0)  # each line's time_unix/time_utc: tests/unit/test_datasets.py
     assert log.read() == []
     log.write(0, {"reward": 0.1})
     log.write(1, {"reward": 0.2, "kl": 0.0})
     log.write(1, {"reward": 0.3})  # retried step 1 replaces the line
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
-    assert [json.loads(line) for line in lines] == [{"step": 0, "reward": 0.1}, {"step": 1, "reward": 0.3}]
-    assert log.read() == [{"step": 0, "reward": 0.1}, {"step": 1, "reward": 0.3}]
+    epoch = {"time_unix": 0.0, "time_utc": "1970-01-01T00:00:00.000+00:00"}
+    assert [json.loads(line) for line in lines] == [{"step": 0, "reward": 0.1, **epoch}, {"step": 1, "reward": 0.3, **epoch}]
+    assert log.read() == [{"step": 0, "reward": 0.1, **epoch}, {"step": 1, "reward": 0.3, **epoch}]
     log.write(7, {"reward": 0.7})
     log.write(3, {"reward": 0.5})  # out of order: the file stays sorted by step
     assert [r["step"] for r in log.read()] == [0, 1, 3, 7]
@@ -216,10 +217,11 @@ def test_metrics_log_one_line_per_step_latest_wins(tmp_path):
 
 
 def test_metrics_log_custom_key_and_file_url(tmp_path):
-    log = MetricsLog(ObjectStore(f"file://{tmp_path}"), key="evals/metrics.jsonl")
+    log = MetricsLog(ObjectStore(f"file://{tmp_path}"), key="evals/metrics.jsonl", clock=lambda: 1.5)
     log.write(2, {"acc": 1.0})
     log.write(2, {"acc": 0.5})
-    assert (tmp_path / "evals" / "metrics.jsonl").read_text() == '{"acc": 0.5, "step": 2}\n'
+    stamp = '"time_unix": 1.5, "time_utc": "1970-01-01T00:00:01.500+00:00"'
+    assert (tmp_path / "evals" / "metrics.jsonl").read_text() == '{"acc": 0.5, "step": 2, ' + stamp + "}\n"
 
 
 # --------------------------------------------------------------------------- hf_io
