@@ -27,9 +27,23 @@ _RAY_FIXTURES = {"platform", "chaos", "s3_platform", "running", "ray_driver"}
 
 
 def pytest_collection_modifyitems(items):
+    gpu_skip = None
     for item in items:
         if _RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("gpu") is not None:
+            if gpu_skip is None:
+                gpu_skip = _gpu_skip()
+            if gpu_skip is not False:
+                item.add_marker(gpu_skip)
+
+
+def _gpu_skip():
+    """`gpu`-marked tests need a CUDA device; without one they are skipped, not failed
+    (torch is imported only when such a test is collected)."""
+    import torch
+
+    return False if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
 
 
 @pytest.fixture(scope="session")
