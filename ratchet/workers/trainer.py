@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import socket
 import tempfile
@@ -29,19 +28,31 @@ from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
 
-from .batch import load_step
+from .batch import HandedStep, HandedSummary, ScoredStep, StepScores, load_step
 from .columns import Fields, Parts
 from .hf_io import local_hf_path, upload_hf_folder, write_hf_folder
 from .local_paths import staging_dir
 from .policy_update import PolicyTrainer, check_finite_weights
 from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult
 from .runtime import configure_worker_process
+from .weight_sync.ray_transport import (
+    STREAM_TIMEOUT_S,
+    SYNC_GROUP,
+    SYNC_GROUP_THREADS,
+    WINDOW,
+    PublishedSource,
+    RelayRegistry,
+    StreamReport,
+)
+from .weight_sync.relay import BucketRelay
+from .weight_sync.trainer_side import check_finite_shards, gather_and_offer, sync_plan
 
 
 log = logging.getLogger(__name__)
 
-# `published_weights` answers from a thread of its own, while an update runs.
-TRAINER_CONCURRENCY_GROUPS = {"published": 1}
+# `published_weights` answers from a thread of its own, while an update runs; the `sync_*`
+# methods hand buckets to the rollout replicas while the main thread gathers them.
+TRAINER_CONCURRENCY_GROUPS = {"published": 1, SYNC_GROUP: SYNC_GROUP_THREADS}
 
 
 def free_port() -> int:
@@ -59,9 +70,10 @@ class TrainerWorker:
         self.trainer: PolicyTrainer | None = None
         self._last = None  # ((batch index, version it trained), StepResult) of the latest update
         self._checkpointing: threading.Thread | None = None  # the background write and upload
-        # (version, ObjectRef of the full weights) after each update, on rank 0, when syncs
+        # (version, its buckets in the object store) after each update, on rank 0, when syncs
         # overlap updates (partial rollouts): a sync need not wait for the update in flight.
-        self._published: tuple[int, object] | None = None
+        self._published: tuple[int, PublishedSource] | None = None
+        self._relays = RelayRegistry()  # rank 0: the syncs being streamed to rollout replicas
         # The outcome of the latest checkpoint (None: committed or none yet), kept until a
         # later checkpoint replaces it, so a failed upload is always reported.
         self._checkpoint_error: str | None = None
@@ -81,10 +93,13 @@ class TrainerWorker:
         if self.world_size > 1:
             import torch.distributed as dist
 
+            from .runtime import join_process_group, resolve_device
+
             if dist.is_initialized():
                 raise RuntimeError(f"trainer rank {self.rank}: process group joined but the set-up failed; recreate the ranks")
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
-            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
+            # NCCL on CUDA, gloo on CPU (trainer.device); one rank on CUDA joins a group of
+            # its own inside PolicyTrainer (FSDP2 needs one).
+            join_process_group(resolve_device(self.cfg.trainer.device, self.rank), self.rank, self.world_size, master_port)
             self.process_group_inits += 1
         trainer = PolicyTrainer(self.policy_path, self.cfg, rank=self.rank, world_size=self.world_size)
         self._num_parameters = trainer.num_parameters()  # a collective: every rank is here
@@ -104,20 +119,77 @@ class TrainerWorker:
         """The version held; -1 before `setup` finished (a half-built rank is rebuilt)."""
         return self.trainer.version if self.trainer is not None else -1
 
+    def _sync_plan(self):
+        t = self.trainer
+        return sync_plan(t.model, engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=t.version)
+
     def _publish(self) -> None:
-        state = self.trainer.state_numpy()  # every rank: unsharding is a collective
-        check_finite_weights(state, f"the weights of policy v{self.trainer.version} (to be synced)")
-        if self.rank == 0 and ray.is_initialized():
-            self._published = (self.trainer.version, ray.put(state))
+        """Put this version's buckets into the object store (rank 0; every rank gathers)."""
+        entries, manifest = self._sync_plan()
+        check_finite_shards(entries, f"the weights of policy v{self.trainer.version} (to be synced)", self.world_size)
+        refs: list = []
+        put = refs.append if self.rank == 0 and ray.is_initialized() else None
+        gather_and_offer(entries, manifest, (lambda b: put(ray.put(b))) if put else None)
+        if put:
+            self._published = (self.trainer.version, PublishedSource(manifest, refs))
 
     @ray.method(concurrency_group="published")
-    def published_weights(self) -> tuple[int, object] | None:
-        """The latest published (version, weights ObjectRef), or None."""
+    def published_weights(self) -> tuple[int, PublishedSource] | None:
+        """The latest published (version, its buckets as a weight source), or None."""
         return self._published
 
+    # -- weight sync, streamed bucket by bucket (weight_sync/ray_transport.py) ------------
+
+    def stream_weights(self, sync_id: str, consumers: int) -> StreamReport:
+        """Gather the weights bucket by bucket (every rank: the gathers are collectives);
+        rank 0 puts each into the object store for `consumers` rollout replicas, at most
+        a window of buckets ahead of the slowest. Non-finite weights are refused first."""
+        t0 = time.perf_counter()
+        relay = None
+        if self.rank == 0:
+            relay = BucketRelay(consumers, window=WINDOW, put=ray.put, timeout_s=STREAM_TIMEOUT_S)
+            self._relays.open(sync_id, relay)
+        try:
+            entries, manifest = self._sync_plan()
+            check_finite_shards(entries, f"the weights of policy v{self.trainer.version} (to be synced)", self.world_size)
+        except Exception as e:
+            if relay is not None:
+                relay.fail(f"{type(e).__name__}: {e}")
+            raise
+        if relay is not None:
+            relay.start(manifest)
+        sent, failure = gather_and_offer(entries, manifest, relay.offer if relay is not None else None)
+        if failure is not None:
+            raise failure
+        return StreamReport(
+            version=manifest.version, bytes=sent, buckets=len(manifest.buckets), seconds=time.perf_counter() - t0,
+            window_peak=relay.peak_stored if relay is not None else 0,
+        )
+
+    @ray.method(concurrency_group=SYNC_GROUP)
+    def sync_manifest(self, sync_id: str):
+        return self._relays.get(sync_id).manifest()
+
+    @ray.method(concurrency_group=SYNC_GROUP)
+    def sync_take(self, sync_id: str, consumer: int, index: int):
+        """The ObjectRef of bucket `index` (None past the last); the receiver is done with
+        the ones before it."""
+        return self._relays.get(sync_id).take(consumer, index)
+
+    @ray.method(concurrency_group=SYNC_GROUP)
+    def sync_leave(self, sync_id: str, consumer: int, error: str | None = None) -> None:
+        if error:
+            log.warning("weight sync %s: receiver %d stopped: %s", sync_id, consumer, error)
+        self._relays.get(sync_id, timeout_s=0).leave(consumer)
+
+    @ray.method(concurrency_group=SYNC_GROUP)
+    def sync_abort(self, sync_id: str, reason: str) -> None:
+        self._relays.get(sync_id, timeout_s=0).fail(reason)
+
     def train(
-        self, batch_index: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None
-    ) -> TrainResult:
+        self, batch_index: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None,
+        data: ScoredStep | None = None,
+    ) -> TrainResult:  # fmt: skip
         """Update policy v`policy_version` on stored batch `batch_index`. A retried activity
         whose first attempt already updated the policy gets that update's result instead of
         a second update. `optimizer` (lr, betas, weight_decay): the settings a logged update
@@ -132,7 +204,7 @@ class TrainerWorker:
         else:
             if policy_version != self.trainer.version:
                 raise RuntimeError(f"trainer holds policy v{self.trainer.version}, asked to train v{policy_version}")
-            data = load_step(store, batch_index, parts)
+            data = data if data is not None else load_step(store, batch_index, parts)  # in memory: train_handed
             apply_optimizer_hyperparameters(self.trainer, hyper)
             values = store.read(batch_index, Parts.VALUES)[0][Fields.VALUES] if store.has(batch_index, Parts.VALUES) else None
             try:
@@ -150,6 +222,48 @@ class TrainerWorker:
             )
         result.metrics["train_seconds"] = time.perf_counter() - t0
         return TrainResult(policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef)
+
+    # A batch handed over in memory (train_handed), kept with the update it went into.
+    _handed: tuple[tuple[int, int], HandedStep] | None = None
+
+    def train_handed(
+        self, batch_index: int, policy_version: int, kl_coef: float, scores: StepScores | None = None, *shares
+    ) -> tuple[TrainResult, HandedSummary]:
+        """`train` on a batch handed over in memory (sync mode's `step` activity): the
+        rollout shares (`results.RolloutShare`) and their scores, through Ray's object store.
+        Rank 0 stores them as batch `batch_index` while the update runs (recovery replays
+        the stored batch; the activity completes only after this returns, so a step the
+        workflow counts always has its batch stored). A retried call whose first try
+        already updated stores and reports the batch that update used: kept here, or
+        (kept by a trainer that no longer holds it) read back from the store."""
+        key = (batch_index, policy_version)
+        repeat = self._last is not None and self._last[0] == key and self.trainer.version == policy_version + 1
+        if repeat and self._handed is not None and self._handed[0] == key:
+            step = self._handed[1]
+        elif repeat or scores is None:
+            step = HandedStep.load(BatchStore(self.run), batch_index)
+        else:
+            step = HandedStep.from_shares(scores, list(shares))
+        saving, failed = None, []
+        if self.rank == 0:
+
+            def save() -> None:
+                try:
+                    step.save(BatchStore(self.run), batch_index)
+                except Exception as e:  # noqa: BLE001 - raised by the caller below
+                    failed.append(e)
+
+            saving = threading.Thread(target=save, name="store-handed-batch", daemon=True)
+            saving.start()
+        try:
+            result = self.train(batch_index, policy_version, kl_coef, data=step.scored_step())
+        finally:
+            if saving is not None:
+                saving.join()
+        if failed:
+            raise failed[0]
+        self._handed = (key, step)
+        return result, step.summary()
 
     # -- checkpoints -----------------------------------------------------------------------
 
