@@ -15,9 +15,19 @@ from .catalog import ENGINES
 
 if TYPE_CHECKING:
     from .base import Engine, Generation, SamplingParams, WeightSwap
+    from .build import build_engine
     from .hf import HFEngine
+    from .sglang import SGLangEngine
+    from .vllm import VLLMEngine
 
 _LAZY, __getattr__, __dir__ = lazy_exports(
-    __name__, {"base": ("Engine", "Generation", "SamplingParams", "WeightSwap"), "hf": ("HFEngine",)}
+    __name__,
+    {
+        "base": ("Engine", "Generation", "SamplingParams", "WeightSwap"),
+        "build": ("build_engine",),
+        "hf": ("HFEngine",),
+        "sglang": ("SGLangEngine",),
+        "vllm": ("VLLMEngine",),
+    },
 )
 __all__ = sorted(["ENGINES", *_LAZY])

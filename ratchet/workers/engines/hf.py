@@ -40,6 +40,29 @@ class _SwapPoint:
         return out
 
 
+class _PerPromptSampler:
+    """The last logits processor when each prompt has its own seed: it draws the tokens of
+    prompt i's n rows from a generator seeded with `seeds[i]` alone, records their log-probs
+    under the processed distribution, and leaves only the drawn token possible, so that
+    greedy selection takes it. A prompt's samples then do not depend on which other prompts
+    share the call, which is what lets a batch be split over engine replicas unchanged
+    (HF's own sampler draws every row from one global stream)."""
+
+    def __init__(self, seeds: tuple[int, ...], n: int):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.n = n
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logp = scores.float().log_softmax(-1)
+        probs = logp.exp()
+        tokens = torch.cat(
+            [torch.multinomial(probs[i * self.n : (i + 1) * self.n], 1, generator=g) for i, g in enumerate(self.generators)]
+        )
+        self.logprobs.append(logp.gather(-1, tokens).squeeze(-1))
+        return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
+
+
 class HFEngine:
     supports_partial_rollout = True
 
@@ -66,6 +89,8 @@ class HFEngine:
             mask[i, width - len(p) :] = 1
         n = 1 if params.greedy else params.n
         swap_point = _SwapPoint(weight_swap or (lambda: None), version)
+        if params.prompt_seeds is not None and not params.greedy:
+            return self._generate_per_prompt(ids, mask, params, swap_point)
         # A private RNG stream seeded per call: the same (seed, prompts) give the same samples,
         # and the process's global generator is left as it was.
         with torch.random.fork_rng(devices=[]):
@@ -99,6 +124,45 @@ class HFEngine:
             results[-1].append(gen)
         if params.greedy and params.n > 1:
             results = [group * params.n for group in results]
+        return results
+
+    def _generate_per_prompt(self, ids, mask, params: SamplingParams, swap_point: _SwapPoint) -> list[list[Generation]]:
+        """Sampling with a seed per prompt (`params.prompt_seeds`): the same warpers as
+        HF's sampling (temperature, then top-p), then `_PerPromptSampler` draws."""
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+        if len(params.prompt_seeds) != ids.shape[0]:
+            raise ValueError(f"{len(params.prompt_seeds)} prompt seeds for {ids.shape[0]} prompts")
+        n, width = params.n, ids.shape[1]
+        sampler = _PerPromptSampler(params.prompt_seeds, n)
+        processors = [swap_point]
+        if params.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_p < 1.0:
+            processors.append(TopPLogitsWarper(params.top_p))
+        out = self.model.generate(
+            input_ids=ids.repeat_interleave(n, dim=0),
+            attention_mask=mask.repeat_interleave(n, dim=0),
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([*processors, sampler]),
+        )
+        new = out.sequences[:, width:]
+        logprobs = torch.stack(sampler.logprobs, dim=1)
+        versions = swap_point.versions(new.shape[1])
+        results: list[list[Generation]] = []
+        for row in range(new.shape[0]):
+            tokens = new[row].tolist()
+            end = tokens.index(self.eos_id) + 1 if self.eos_id in tokens else len(tokens)
+            if row % n == 0:
+                results.append([])
+            results[-1].append(Generation(token_ids=tokens[:end], logprobs=logprobs[row, :end].tolist(), versions=versions[:end]))
         return results
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
