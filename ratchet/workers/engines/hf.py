@@ -56,9 +56,12 @@ class _PerPromptSampler:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logp = scores.float().log_softmax(-1)
         probs = logp.exp()
+        # The generators live on the CPU (one stream per prompt, whatever the device), so
+        # the draw does too; a few KB per decode step.
+        cpu_probs = probs.cpu()
         tokens = torch.cat(
-            [torch.multinomial(probs[i * self.n : (i + 1) * self.n], 1, generator=g) for i, g in enumerate(self.generators)]
-        )
+            [torch.multinomial(cpu_probs[i * self.n : (i + 1) * self.n], 1, generator=g) for i, g in enumerate(self.generators)]
+        ).to(scores.device)
         self.logprobs.append(logp.gather(-1, tokens).squeeze(-1))
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
 
@@ -71,6 +74,8 @@ class HFEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        # The GPU when this process sees one (a Ray actor given num_gpus), else the CPU.
+        self.model.to("cuda" if torch.cuda.is_available() else "cpu")
         self.model.eval()
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_id = self.tokenizer.eos_token_id
@@ -96,8 +101,8 @@ class HFEngine:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(params.seed)
             out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(self.model.device),
+                attention_mask=mask.to(self.model.device),
                 do_sample=not params.greedy,
                 temperature=None if params.greedy else params.temperature,
                 top_p=None if params.greedy else params.top_p,
@@ -110,9 +115,9 @@ class HFEngine:
                 return_dict_in_generate=True,
                 logits_processor=LogitsProcessorList([swap_point]),
             )
-        new = out.sequences[:, width:]
+        new = out.sequences[:, width:].cpu()
         # `scores` are the processed logits the sampler drew from (temperature, top-p applied).
-        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu().gather(-1, new.unsqueeze(-1)).squeeze(-1)
         versions = swap_point.versions(new.shape[1])
         results: list[list[Generation]] = []
         for row in range(new.shape[0]):
@@ -141,8 +146,8 @@ class HFEngine:
         if params.top_p < 1.0:
             processors.append(TopPLogitsWarper(params.top_p))
         out = self.model.generate(
-            input_ids=ids.repeat_interleave(n, dim=0),
-            attention_mask=mask.repeat_interleave(n, dim=0),
+            input_ids=ids.repeat_interleave(n, dim=0).to(self.model.device),
+            attention_mask=mask.repeat_interleave(n, dim=0).to(self.model.device),
             do_sample=False,
             temperature=None,
             top_p=None,
@@ -153,8 +158,8 @@ class HFEngine:
             return_dict_in_generate=True,
             logits_processor=LogitsProcessorList([*processors, sampler]),
         )
-        new = out.sequences[:, width:]
-        logprobs = torch.stack(sampler.logprobs, dim=1)
+        new = out.sequences[:, width:].cpu()
+        logprobs = torch.stack(sampler.logprobs, dim=1).cpu()
         versions = swap_point.versions(new.shape[1])
         results: list[list[Generation]] = []
         for row in range(new.shape[0]):
@@ -181,7 +186,9 @@ class HFEngine:
                     if name not in aliases:
                         unexpected.append(name)
                     continue
-                target.copy_(torch.from_numpy(np.asarray(array)).to(target.dtype))
+                # numpy from the object store, or a tensor already on the device (CUDA IPC).
+                source = array if isinstance(array, torch.Tensor) else torch.from_numpy(np.asarray(array))
+                target.copy_(source.to(device=target.device, dtype=target.dtype))
                 loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing or unexpected:

