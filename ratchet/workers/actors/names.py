@@ -70,6 +70,53 @@ def kill_named(names: list[str], timeout_s: float = 30.0) -> list[str]:
     return killed
 
 
+def pool_group_name(run_id: str, pool: str) -> str:
+    """The placement group of resource pool `pool` of run `run_id` (placement.py)."""
+    return f"{run_id}/pool-{pool}"
+
+
+def run_pool_groups(run_id: str) -> dict[str, object]:
+    """The run's live placement groups by name (none unless it has resources.pools)."""
+    from ray.util import get_placement_group, placement_group_table
+
+    prefix = pool_group_name(run_id, "")
+    names = {
+        info.get("name", "")
+        for info in placement_group_table().values()
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED"
+    }
+    out = {}
+    for name in sorted(names):
+        try:
+            out[name] = get_placement_group(name)
+        except ValueError:  # removed meanwhile
+            pass
+    return out
+
+
+def pool_group_runs() -> list[str]:
+    """The run ids that hold placement groups (a run that failed between reserving its
+    pools and creating its actors holds them with no actor)."""
+    from ray.util import placement_group_table
+
+    out = set()
+    for info in placement_group_table().values():
+        run_id, sep, rest = info.get("name", "").partition("/")
+        if sep and rest.startswith("pool-") and info.get("state") != "REMOVED" and is_valid_id(run_id):
+            out.add(run_id)
+    return sorted(out)
+
+
+def remove_pool_groups(run_id: str) -> list[str]:
+    """Remove the run's placement groups (after its actors: an actor in a removed group dies)."""
+    from ray.util import remove_placement_group
+
+    groups = run_pool_groups(run_id)
+    for group in groups.values():
+        remove_placement_group(group)
+    return sorted(groups)
+
+
 def run_actor_names() -> dict[str, list[str]]:
     """Named actors in the `ratchet` namespace by run id (the name before '/')."""
     out: dict[str, list[str]] = defaultdict(list)
@@ -83,8 +130,13 @@ def run_actor_names() -> dict[str, list[str]]:
 def release_run_actors(run_id: str, *, timeout_s: float = 30.0) -> list[str]:
     """Kill every named actor of run `run_id` (whatever roles and world size it had) and
     wait for their names to be free; returns the names killed. Needs no config, so it
-    works on every way out of a run, also when the run failed before its config was stored."""
-    return kill_named(run_actor_names().get(run_id, []), timeout_s)
+    works on every way out of a run, also when the run failed before its config was stored.
+    The run's resource pools (placement groups) go with them."""
+    killed = kill_named(run_actor_names().get(run_id, []), timeout_s)
+    removed = remove_pool_groups(run_id)
+    if removed:
+        log.info("run %s: removed placement groups %s", run_id, ", ".join(removed))
+    return killed
 
 
 async def release_closed_runs(run_is_open: Callable[[str], Awaitable[bool]]) -> dict[str, list[str]]:
@@ -92,7 +144,7 @@ async def release_closed_runs(run_is_open: Callable[[str], Awaitable[bool]]) -> 
     died with its run, or a run terminated from outside, leaves detached actors that hold
     their CPUs forever otherwise. Returns {run id: actor names killed}. The caller knows
     how to tell an open run (a Temporal query); this layer does not."""
-    runs = await asyncio.to_thread(run_actor_names)
+    runs = set(await asyncio.to_thread(run_actor_names)) | set(await asyncio.to_thread(pool_group_runs))
     released = {}
     for run_id in sorted(runs):
         if await run_is_open(run_id):

@@ -1,7 +1,11 @@
-"""Placing a run's actors: are the CPUs free, and did a node take the actor?
+"""Placing a run's actors: are the CPUs (and GPUs) free, which resource pool's placement
+group takes each actor, and did a node take it?
 
 A run whose CPUs are not free fails at once (`ResourcesUnavailable`, naming who holds
-them), not after waiting for placement forever.
+them), not after waiting for placement forever. With `resources.pools`, each pool is a
+detached Ray placement group named `<run id>/pool-<name>` (config/placement_plan.py says
+which bundle each actor takes); a pool bigger than the cluster, or than any of its nodes,
+is refused before anything is reserved.
 """
 
 from __future__ import annotations
@@ -10,11 +14,12 @@ import time
 
 import ray
 
+from ratchet.config.placement_plan import PlacementPlan, PoolPlan, Slot
 from ratchet.config.schema import RunConfig
 from ratchet.errors import ResourcesUnavailable
 
-from .names import NAMESPACE, Role, actor_name, role_of, run_actor_names, wait_name_free
-from .waiting import Waiter
+from .names import NAMESPACE, Role, actor_name, pool_group_name, role_of, run_actor_names, run_pool_groups, wait_name_free
+from .waiting import Waiter, WaitTimeout
 
 # An actor that no node could place in this long fails its activity instead of waiting
 # forever; a placed actor may then take as long as its constructor needs.
@@ -47,7 +52,7 @@ def role_cpus(cfg: RunConfig) -> dict[str, float]:
 
 def needed_cpus(cfg: RunConfig) -> float:
     r = cfg.resources
-    need = r.trainer_cpus * cfg.trainer.world_size + r.rollout_cpus + r.reward_cpus
+    need = r.trainer_cpus * cfg.trainer.world_size + r.rollout_cpus * cfg.rollout.replicas + r.reward_cpus
     return need + (r.critic_cpus if cfg.uses_critic else 0.0)
 
 
@@ -60,11 +65,16 @@ def holders_text(run_id: str) -> str:
     )
 
 
-def check_resources(run_id: str, cfg: RunConfig, waiter: Waiter, settle_s: float = RESOURCE_SETTLE_S) -> None:
+def check_resources(
+    run_id: str, cfg: RunConfig, waiter: Waiter, settle_s: float = RESOURCE_SETTLE_S, plan: PlacementPlan | None = None
+) -> None:
     """Fail at once, not after waiting for placement forever, when the CPUs the run
     needs are not free: Ray's free CPUs plus what this run's own actors already hold (a
     restore or a retry kills or reuses them). Waits up to `settle_s` for CPUs that a kill
-    just freed to show up."""
+    just freed to show up. With resource pools: the pools' placement groups instead."""
+    if plan is not None and plan.pools:
+        check_pools(run_id, plan, waiter, settle_s)
+        return
     need = needed_cpus(cfg)
     per_role = role_cpus(cfg)
     total = ray.cluster_resources().get("CPU", 0.0)
@@ -79,7 +89,7 @@ def check_resources(run_id: str, cfg: RunConfig, waiter: Waiter, settle_s: float
     if need <= free + own + 1e-9:
         return
     what = (
-        "resources.trainer_cpus x trainer.world_size + resources.rollout_cpus + resources.reward_cpus "
+        "resources.trainer_cpus x trainer.world_size + resources.rollout_cpus x rollout.replicas + resources.reward_cpus "
         "[+ resources.critic_cpus]"
     )
     if need > total:
@@ -97,10 +107,10 @@ def check_resources(run_id: str, cfg: RunConfig, waiter: Waiter, settle_s: float
 
 def create_actor(
     run_id: str, cfg: RunConfig, waiter: Waiter, cls, role: str, rank: int, num_cpus: float, *args,
-    concurrency: int = 1, groups: dict | None = None,
+    concurrency: int = 1, groups: dict | None = None, slot: tuple[Slot, PoolPlan] | None = None,
 ):  # fmt: skip
     """The run's detached actor `role`-`rank` (the live one if it exists), once a node
-    has placed it."""
+    has placed it; with `slot`, in that bundle of its pool's placement group."""
     name = actor_name(run_id, role, rank)
     options = dict(
         name=name,
@@ -111,6 +121,17 @@ def create_actor(
         max_concurrency=concurrency,
         runtime_env=actor_env(cfg),
     )
+    if slot is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        where, pool = slot
+        group = pool_group(run_id, pool, waiter)
+        num_cpus = where.cpus
+        options.update(
+            num_cpus=where.cpus,
+            num_gpus=where.gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=where.bundle),
+        )
     remote_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
     actor = remote_cls.options(**options).remote(*args)
     wait_placed(run_id, actor, name, num_cpus, waiter)
@@ -136,3 +157,83 @@ def wait_placed(run_id: str, actor, name: str, num_cpus: float, waiter: Waiter, 
         f"run {run_id}: no Ray node could place actor {name} ({num_cpus:g} CPUs) within {timeout_s:g} s; "
         f"{holders_text(run_id)}"
     )
+
+
+# -- resource pools: one detached placement group each ------------------------------------
+
+
+def _node_totals() -> list[dict[str, float]]:
+    return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+
+
+def check_pools(run_id: str, plan: PlacementPlan, waiter: Waiter, settle_s: float = RESOURCE_SETTLE_S) -> None:
+    """Refuse pools the cluster can never hold (more CPUs or GPUs than it has, a bundle no
+    node is big enough for, more nodes than it has), then create the placement groups,
+    each ready within PLACEMENT_TIMEOUT_S or refused naming who holds the resources."""
+    total = ray.cluster_resources()
+    nodes = _node_totals()
+    for i, pool in enumerate(plan.pools):
+        field = f"resources.pools.{i}"
+        for kind, have, need in (("CPU", total.get("CPU", 0.0), pool.cpus), ("GPU", total.get("GPU", 0.0), pool.gpus)):
+            if need > have + 1e-9:
+                raise ResourcesUnavailable(
+                    f"run {run_id}: pool {pool.name!r} ({field}) needs {need:g} {kind}s but the cluster has {have:g}; lower "
+                    f"{field}.nodes or {field}.{kind.lower()}s_per_node, or add nodes"
+                )
+        bundle = pool.bundles[0]
+        fits = [n for n in nodes if all(n.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())]
+        if not fits:
+            raise ResourcesUnavailable(
+                f"run {run_id}: no node of the cluster has {bundle} for one bundle of pool {pool.name!r}; lower "
+                f"{field}.cpus_per_node / gpus_per_node to what one node has"
+            )
+        if pool.strategy == "STRICT_SPREAD" and len(fits) < len(pool.bundles):
+            raise ResourcesUnavailable(
+                f"run {run_id}: pool {pool.name!r} needs {len(pool.bundles)} nodes ({field}.nodes) but only {len(fits)} "
+                f"node(s) of the cluster can hold {bundle}; lower {field}.nodes or add nodes"
+            )
+    needs = {"CPU": sum(p.cpus for p in plan.pools), "GPU": sum(p.gpus for p in plan.pools)}
+    own = run_pool_groups(run_id)
+    deadline = time.monotonic() + settle_s
+    while True:
+        free = ray.available_resources()
+        # The run's own groups (a retried start) already hold their share.
+        missing = {
+            k: v for k, v in needs.items()
+            if v - sum(p.cpus if k == "CPU" else p.gpus for p in plan.pools if pool_group_name(run_id, p.name) in own)
+            > free.get(k, 0.0) + 1e-9
+        }  # fmt: skip
+        if not missing or time.monotonic() >= deadline:
+            break
+        waiter.progress("waiting for free resources for the run's pools")
+        time.sleep(_POLL_S)
+        own = run_pool_groups(run_id)
+    if missing:
+        kind = next(iter(missing))
+        raise ResourcesUnavailable(
+            f"run {run_id}: resources.pools need {needs[kind]:g} {kind}s but only {free.get(kind, 0.0):g} are free; "
+            f"{holders_text(run_id)}"
+        )
+    for pool in plan.pools:
+        pool_group(run_id, pool, waiter)
+
+
+def pool_group(run_id: str, pool: PoolPlan, waiter: Waiter, timeout_s: float = PLACEMENT_TIMEOUT_S):
+    """The pool's placement group, created (detached, so it outlives this process like the
+    actors in it) unless it exists, once Ray has reserved all its bundles."""
+    from ray.util import get_placement_group, placement_group, remove_placement_group
+
+    name = pool_group_name(run_id, pool.name)
+    try:
+        group = get_placement_group(name)
+    except ValueError:
+        group = placement_group(list(pool.bundles), strategy=pool.strategy, name=name, lifetime="detached")
+    try:
+        waiter.wait(group.ready(), timeout_s=timeout_s)
+    except WaitTimeout:
+        remove_placement_group(group)
+        raise ResourcesUnavailable(
+            f"run {run_id}: Ray could not reserve pool {pool.name!r} ({len(pool.bundles)} bundles of {pool.bundles[0]}) "
+            f"within {timeout_s:g} s; {holders_text(run_id)}"
+        ) from None
+    return group
