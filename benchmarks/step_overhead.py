@@ -6,8 +6,10 @@
    actors, batches in the batch store, weights through Ray's object store.
 
 Same model, data, batch and seed. The ratchet time per step is measured from the workflow
-history (first `generate` scheduled to last `sync_weights` completed), so service start-up,
-warm-up and evaluation are excluded. Prints one table.
+history (step 1's first activity scheduled to the last step's last activity completed), so
+service start-up, warm-up, evaluation and the first step (caches warming, as in the plain
+loop) are excluded. Per-step medians; the plain loop runs before and after ratchet, since a
+shared machine's load changes in between. Prints one table.
 
     .venv/bin/python benchmarks/step_overhead.py [--steps 20]
 """
@@ -15,8 +17,10 @@ warm-up and evaluation are excluded. Prints one table.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -32,17 +36,17 @@ from ratchet.platform.services import ServiceSettings, down, free_ports, tempora
 from ratchet.workers.local_loop import LocalLoop
 
 
+PHASES = ("generate", "score", "train", "sync")
+
+
 def plain_loop(cfg, steps: int) -> dict[str, float]:
-    """Seconds per step of the bare algorithm, phase by phase (first step excluded: it warms caches)."""
+    """Median seconds per step of the bare algorithm, phase by phase (the first step left
+    out: it warms caches). Medians: the machine may be shared, and a median shrugs off
+    another process's burst where a mean does not."""
     loop = LocalLoop(cfg)
-    totals = {"generate": 0.0, "score": 0.0, "train": 0.0, "sync": 0.0}
-    for step in range(steps + 1):
-        metrics = loop.step(step)
-        if step > 0:
-            for name in totals:
-                totals[name] += metrics[f"{name}_seconds"]
-    out = {k: v / steps for k, v in totals.items()}
-    out["step"] = sum(out.values())
+    rows = [loop.step(step) for step in range(steps + 1)][1:]
+    out = {k: statistics.median(m[f"{k}_seconds"] for m in rows) for k in PHASES}
+    out["step"] = statistics.median(sum(m[f"{k}_seconds"] for k in PHASES) for m in rows)
     return out
 
 
@@ -59,21 +63,23 @@ def ratchet_loop(overrides: list[str], steps: int, state: Path) -> dict[str, flo
     finally:
         stop_worker_process(worker)
         down(settings)
-    first_generate, last_sync = None, None
-    names = {}
+    # A step starts with its `step` activity (sync mode) or its `generate` (per-phase
+    # activities) and ends when the next one starts (the last: when its `step` or
+    # `sync_weights` completes). Step 0 is left out, as in the plain loop.
+    starts, ends, names = [], [], {}
     for e in history.events:
         if e.HasField("activity_task_scheduled_event_attributes"):
             names[e.event_id] = e.activity_task_scheduled_event_attributes.activity_type.name
-            if names[e.event_id] == "generate" and first_generate is None:
-                first_generate = e.event_time.ToDatetime()
+            if names[e.event_id] in ("step", "generate"):
+                starts.append(e.event_time.ToDatetime())
         if e.HasField("activity_task_completed_event_attributes"):
-            if names.get(e.activity_task_completed_event_attributes.scheduled_event_id) == "sync_weights":
-                last_sync = e.event_time.ToDatetime()
-    import json
-
-    metrics = [json.loads(x) for x in (Path(summary.run_uri) / "metrics.jsonl").read_text().splitlines()]
-    inside = {k: sum(m[f"{k}_seconds"] for m in metrics[1:]) / (steps - 1) for k in ("generate", "score", "train", "sync")}
-    return {"step": (last_sync - first_generate).total_seconds() / steps, **inside}
+            if names.get(e.activity_task_completed_event_attributes.scheduled_event_id) in ("step", "sync_weights"):
+                ends.append(e.event_time.ToDatetime())
+    bounds = [*starts[1:steps], ends[-1]]
+    durations = [(b - a).total_seconds() for a, b in zip(bounds, bounds[1:])]
+    metrics = [json.loads(x) for x in (Path(summary.run_uri) / "metrics.jsonl").read_text().splitlines()][1:]
+    inside = {k: statistics.median(m[f"{k}_seconds"] for m in metrics) for k in PHASES}
+    return {"step": statistics.median(durations), **inside}
 
 
 def main() -> None:
@@ -91,8 +97,9 @@ def main() -> None:
             "warmup.steps=0", "data.eval_size=8", "tracking.name=bench",
         ]  # fmt: skip
         cfg = load_config(RECIPE_PATH, overrides)
-        plain = plain_loop(cfg, args.steps)
+        before = plain_loop(cfg, args.steps)
         through = ratchet_loop(overrides, args.steps, work / "svc")
+        after = plain_loop(cfg, args.steps)  # the machine may have got busier or quieter meanwhile
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -100,16 +107,22 @@ def main() -> None:
     table.add_column("")
     for col in ("step", "generate", "score", "train", "sync"):
         table.add_column(col, justify="right")
-    table.add_row("plain loop (in-process)", *(f"{plain[k]:.3f}" for k in ("step", "generate", "score", "train", "sync")))
-    table.add_row("ratchet (workflow + Ray)", *(f"{through[k]:.3f}" for k in ("step", "generate", "score", "train", "sync")))
+    table.add_row("plain loop (in-process), before", *(f"{before[k]:.3f}" for k in ("step", *PHASES)))
+    table.add_row("ratchet (workflow + Ray)", *(f"{through[k]:.3f}" for k in ("step", *PHASES)))
+    table.add_row("plain loop (in-process), after", *(f"{after[k]:.3f}" for k in ("step", *PHASES)))
     console = Console(width=160)
     console.print(table)
-    overhead_ms = (through["step"] - plain["step"]) * 1000
+    plain = (before["step"] + after["step"]) / 2
+    ratios = sorted(through["step"] / p["step"] for p in (before, after))
+    busy = ": far apart, the load changed; measure on a quiet machine" if ratios[1] > 1.1 * ratios[0] else ""
+    console.print(
+        f"ratchet step - plain step: {(through['step'] - plain) * 1000:.0f} ms per step ({through['step'] / plain:.2f}x the plain "
+        f"loop; {ratios[0]:.2f}x-{ratios[1]:.2f}x against the runs before and after{busy})"
+    )
     # The phases run in separate processes through ratchet, so their compute differs a little
     # from the in-process loop; the time outside every phase is orchestration alone.
-    outside_ms = (through["step"] - sum(through[k] for k in ("generate", "score", "train", "sync"))) * 1000
-    console.print(f"ratchet step - plain step: {overhead_ms:.0f} ms per step ({through['step'] / plain['step']:.2f}x the plain loop)")
-    console.print(f"orchestration (ratchet step time outside the four phases): {outside_ms:.0f} ms per step")
+    outside_ms = (through["step"] - sum(through[k] for k in PHASES)) * 1000
+    console.print(f"ratchet step time outside the four phases: {outside_ms:.0f} ms per step")
     os._exit(0)  # the Temporal SDK can crash at interpreter exit
 
 

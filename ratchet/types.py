@@ -254,6 +254,23 @@ class SyncOutput:
 
 
 @dataclass
+class StepInput:
+    """Sync mode's whole step in one activity (`step`): generate, score, train, sync."""
+
+    rollout: RolloutInput
+    policy_version: int  # the trainer's version, updated by this step
+    kl_coef: float = 0.0
+
+
+@dataclass
+class StepOutput:
+    batch: BatchRef
+    score: ScoreOutput
+    trained: TrainOutput
+    synced: SyncOutput
+
+
+@dataclass
 class EvalInput:
     run: RunRef
     step: int

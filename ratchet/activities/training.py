@@ -19,10 +19,11 @@ from temporalio import activity
 
 from ratchet.config.schema import RunConfig
 from ratchet.errors import CheckpointFailed
-from ratchet.storage import MetricsLog, ObjectStore, RunLayout
+from ratchet.storage import BatchStore, MetricsLog, ObjectStore, RunLayout
 from ratchet import types as t
 from ratchet.ids import check_id
 from ratchet.workers.actors import RunActors, release_run_actors
+from ratchet.workers.columns import Parts
 from ratchet.workers.results import CheckpointOutcome, CheckpointStarted
 from ratchet.workers.warmup import warmup_policy
 
@@ -66,8 +67,14 @@ def warmup(inp: t.WarmupInput) -> t.WarmupOutput:
     cfg = _run_config(inp.run.run_uri, inp.run.config_id)
     if cfg.warmup.steps == 0:
         return t.WarmupOutput(policy_uri=cfg.model.path, loss_first=0.0, loss_last=0.0, seconds=0.0)
+    actors = actors_for(inp.run)
     task = ray.remote(warmup_policy).options(num_cpus=cfg.resources.trainer_cpus, max_retries=0)
-    out = wait(task.remote(cfg, cfg.model.path, inp.run.run_uri))
+    warming = task.remote(cfg, cfg.model.path, inp.run.run_uri)
+    # The reward worker needs only the tokenizer, which the warm-up leaves as it is: its
+    # process starts (and imports torch, seconds) while the warm-up trains; start_workers
+    # finds it by name.
+    actors.start_reward(cfg.model.path)
+    out = wait(warming)
     return t.WarmupOutput(policy_uri=out.uri, loss_first=out.loss_first, loss_last=out.loss_last, seconds=out.seconds)
 
 
@@ -83,14 +90,17 @@ def start_workers(inp: t.StartWorkersInput) -> t.StartWorkersOutput:
         actors.shutdown()
         actors.trainers(inp.restore_version)
         source = actors.initial_policy()
-        wait([actors.start_rollout(source).policy_version.remote(), actors.start_reward(source).__ray_ready__.remote()])
+        wait([*(a.policy_version.remote() for a in actors.start_rollouts(source)), actors.start_reward(source).__ray_ready__.remote()])
         if actors.cfg.uses_critic:
             actors.critic(inp.restore_version)  # from the checkpoint, like the trainer
         return t.StartWorkersOutput(policy_version=inp.restore_version, num_parameters=0, seconds=time.perf_counter() - t0)
-    n_params = actors.start_trainers(inp.policy_uri)
-    ready = [actors.start_rollout(inp.policy_uri).policy_version.remote(), actors.start_reward(inp.policy_uri).__ray_ready__.remote()]
+    # Every actor's process starts and imports torch (seconds each) at once: the rollout
+    # replicas, the reward worker and the critic are created first and load while the
+    # trainer ranks set up.
+    ready = [*(a.policy_version.remote() for a in actors.start_rollouts(inp.policy_uri)), actors.start_reward(inp.policy_uri).__ray_ready__.remote()]
     if actors.cfg.uses_critic:
         ready.append(actors.start_critic().__ray_ready__.remote())
+    n_params = actors.start_trainers(inp.policy_uri)
     wait(ready)
     return t.StartWorkersOutput(policy_version=0, num_parameters=n_params, seconds=time.perf_counter() - t0)
 
@@ -99,8 +109,8 @@ def start_workers(inp: t.StartWorkersInput) -> t.StartWorkersOutput:
 @temporal_errors
 def generate(inp: t.RolloutInput) -> t.BatchRef:
     actors = actors_for(inp.run)
-    rollout = actors.rollout(inp.policy_version, exact=inp.exact_version)
-    out = wait(rollout.generate.remote(inp.batch_index, inp.prompt_start, inp.prompt_count, inp.policy_version, inp.part, inp.exact_version))
+    # Over the rollout replicas (workers/actors/rollout_pool.py); one replica: as before.
+    out = actors.generate(inp.batch_index, inp.prompt_start, inp.prompt_count, inp.policy_version, part=inp.part, exact=inp.exact_version)
     return t.BatchRef(
         run_id=inp.run.run_id,
         index=inp.batch_index,
@@ -151,8 +161,65 @@ def train(inp: t.TrainInput) -> t.TrainOutput:
 @temporal_errors
 def sync_weights(inp: t.SyncInput) -> t.SyncOutput:
     t0 = time.perf_counter()
-    moved, version = actors_for(inp.run).sync_weights(inp.policy_version)
-    return t.SyncOutput(policy_version=version, seconds=time.perf_counter() - t0, megabytes=moved / 1e6)
+    out = actors_for(inp.run).sync_weights(inp.policy_version)
+    return t.SyncOutput(policy_version=out.version, seconds=time.perf_counter() - t0, megabytes=out.bytes / 1e6)
+
+
+@activity.defn(name="step")
+@temporal_errors
+def step(inp: t.StepInput) -> t.StepOutput:
+    """Sync mode's whole step: generate, score, train, sync, in one activity (one round
+    trip through Temporal instead of four). The batch goes from the rollout worker to the
+    reward worker and the trainer through Ray's object store; trainer rank 0 stores it
+    while it updates, and this returns only once it is stored, so every step the workflow
+    counts has its batch in the batch store (recovery replays it). A retry is idempotent:
+    a trainer that already made this update answers from its retry cache and stores the
+    batch it used. With a critic the batch is stored first (the critic reads it there)."""
+    ro = inp.rollout
+    actors = actors_for(ro.run)
+    if actors.cfg.uses_critic:
+        batch = generate(ro)
+        scored = score(t.ScoreInput(ro.run, batch))
+        trained = train(t.TrainInput(ro.run, batch, inp.policy_version, kl_coef=inp.kl_coef))
+    else:
+        batch, scored, trained = _step_in_memory(actors, inp)
+    synced = sync_weights(t.SyncInput(ro.run, trained.policy_version))
+    return t.StepOutput(batch=batch, score=scored, trained=trained, synced=synced)
+
+
+def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.ScoreOutput, t.TrainOutput]:
+    ro, version = inp.rollout, inp.policy_version
+    retrying = activity.info().attempt > 1
+    ranks = actors.trainers(version, retrying_update=retrying)
+    scores, shares = None, []
+    # A retried step whose update was made: the trainer reports (and stores) its batch.
+    if not (retrying and wait(ranks[0].policy_version.remote()) == version + 1):
+        # Over the rollout replicas (rollout_pool.py), kept in Ray's object store.
+        shares = actors.generate_shares(
+            ro.batch_index, ro.prompt_start, ro.prompt_count, ro.policy_version, part=ro.part, exact=ro.exact_version
+        )
+        scores = actors.score_shares(ro.batch_index, shares)
+        actors.sleep_rollouts()  # colocated: the engines give the trainer their memory
+    t0 = time.perf_counter()
+    trained, summary = wait([a.train_handed.remote(ro.batch_index, version, inp.kl_coef, scores, *shares) for a in ranks])[0]
+    seconds = time.perf_counter() - t0
+    run_store = ObjectStore(ro.run.run_uri)
+    batch = t.BatchRef(
+        run_id=ro.run.run_id,
+        index=ro.batch_index,
+        uri=run_store.uri(BatchStore(run_store).key(ro.batch_index, Parts.ROLLOUT)),
+        num_prompts=ro.prompt_count,
+        num_samples=summary.num_samples,
+        num_response_tokens=summary.num_response_tokens,
+        policy_version=summary.policy_version,
+        part=ro.part,
+        prompt_start=ro.prompt_start,
+        generate_seconds=summary.generate_seconds,
+        response_length_mean=summary.response_length_mean,
+    )
+    s = summary.score
+    scored = t.ScoreOutput(reward_mean=s.reward_mean, reward_std=s.reward_std, seconds=s.seconds, informative_groups=s.informative_groups)
+    return batch, scored, t.TrainOutput(policy_version=trained.policy_version, metrics=dict(trained.metrics), seconds=seconds, kl_coef=trained.kl_coef)
 
 
 @activity.defn(name="evaluate")
@@ -254,6 +321,6 @@ def release_run(inp: t.ReleaseInput) -> t.ReleaseOutput:
 
 
 ALL_ACTIVITIES = [
-    prepare_run, warmup, start_workers, generate, score, train, sync_weights, evaluate, checkpoint, record_step, finish_run,
+    prepare_run, warmup, start_workers, generate, score, train, sync_weights, step, evaluate, checkpoint, record_step, finish_run,
     release_run,
 ]  # fmt: skip

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 # The catalogs (names and estimator flags, engines, storage schemes, loop modes) import no
 # torch, so validating a config does not either (tests/unit/test_config.py checks it).
 from ratchet.algorithms.catalog import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
+from ratchet.config.placement_plan import POOL_ROLES, placement_problems, problems_text
 from ratchet.storage import schemes
 from ratchet.storage.layout import RunLayout
 from ratchet.workers.engines.catalog import ENGINES
@@ -76,16 +77,69 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    train_files: str = Field(description="Parquet file in verl's layout: prompt, data_source, reward_model.ground_truth, extra_info.")
-    eval_files: str | None = Field(None, description="Parquet file of held-out prompts for greedy evaluation.")
-    prompt_key: str = Field("prompt", description="Column holding the chat messages of each prompt.")
+    train_files: str = Field(
+        description="Training prompts in verl's layout (prompt, data_source, reward_model.ground_truth, extra_info): a "
+        ".parquet file, a .jsonl/.json file, or a folder saved with datasets' save_to_disk (docs/data.md)."
+    )
+    eval_files: str | None = Field(None, description="Held-out prompts for greedy evaluation, in any format of train_files.")
+    prompt_key: str = Field("prompt", description="Column holding each prompt: chat messages or a plain string.")
     max_prompt_length: int = Field(64, gt=0, description="Prompts longer than this (in tokens) are an error.")
-    eval_size: int = Field(64, gt=0, description="How many eval prompts to score at each evaluation.")
+    eval_size: int = Field(64, gt=0, description="How many eval prompts to score at each evaluation (the first ones, in file order).")
+    prompt_format: Literal["auto", "chat", "raw"] = Field(
+        "auto",
+        description="How prompts become tokens: chat renders them with the tokenizer's chat template (a plain string is "
+        "one user message); raw tokenizes plain strings as they are (no template needed); auto decides per dataset, "
+        "chat for message lists (TRL's conversational format), raw for strings (TRL's standard format).",
+    )
+    shuffle: bool = Field(
+        True, description="Draw training prompts in a fresh random order each epoch (from data.seed and the epoch); false: file order."
+    )
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed of the training prompts' order; null uses the run's seed.")
+
+
+class VLLMOptions(Section):
+    """rollout.vllm: how the vLLM engine is started (rollout.engine=vllm; workers/engines/vllm.py)."""
+
+    max_model_len: int | None = Field(
+        None, gt=0, description="Longest prompt plus response vLLM serves; null: data.max_prompt_length + rollout.max_response_length."
+    )
+    kv_cache_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Bytes of KV cache; null: 64 MiB on a CPU, and on a GPU what gpu_memory_utilization leaves after the weights.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Fraction of the GPU's memory vLLM may take (weights and KV cache) when kv_cache_bytes is null."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over (tensor parallel).")
+    enable_prefix_caching: bool = Field(True, description="Compute a prompt shared by a group's n samples once.")
+    sleep_mode: bool = Field(
+        True, description="On a GPU, let a colocated engine free its memory while the trainer runs (vLLM sleep mode)."
+    )
+
+
+class SGLangOptions(Section):
+    """rollout.sglang: how the SGLang engine is started (rollout.engine=sglang; CUDA only; workers/engines/sglang.py)."""
+
+    max_model_len: int | None = Field(
+        None, gt=0, description="SGLang's context_length; null: data.max_prompt_length + rollout.max_response_length."
+    )
+    mem_fraction_static: float = Field(0.5, gt=0, lt=1, description="Fraction of the GPU's memory for weights and KV cache.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over (SGLang's tp_size).")
+    weight_bucket_mb: float = Field(
+        256.0, gt=0, description="Weight updates go to the engine in calls of at most this many megabytes (one tensor may exceed it)."
+    )
 
 
 class RolloutConfig(Section):
     engine: str = Field("hf", description=f"Generation engine, by registered name: {', '.join(ENGINES.names())}.")
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="Options of the vLLM engine.")
+    sglang: SGLangOptions = Field(default_factory=SGLangOptions, description="Options of the SGLang engine.")
     n: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    replicas: int = Field(
+        1, ge=1, le=1024, description="Engine replicas (data parallel): a batch's prompts are spread over them by load, a "
+        "prompt's n samples on one replica; the batch is the same as one engine's (workers/actors/rollout_pool.py)."
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_response_length: int = Field(16, gt=0, description="Maximum new tokens per sample.")
@@ -101,6 +155,14 @@ class RolloutConfig(Section):
     @classmethod
     def _known_engine(cls, name: str) -> str:
         return ENGINES.check(name)
+
+    def engine_options(self) -> dict[str, Any]:
+        """The keyword options of the configured engine: its own section (rollout.vllm,
+        rollout.sglang) when it has one, none for the others."""
+        section = type(self).model_fields.get(self.engine)
+        if section is None or not (isinstance(section.annotation, type) and issubclass(section.annotation, Section)):
+            return {}
+        return getattr(self, self.engine).model_dump()
 
 
 class RewardConfig(Section):
@@ -209,7 +271,25 @@ class TrainerConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
+    sync_bucket_mb: float = Field(
+        128.0, gt=0, description="Weight sync: most megabytes of weights gathered and sent in one bucket (the sync's extra memory is about one or two buckets); a larger tensor goes alone."
+    )
     world_size: int = Field(1, ge=1, description="Trainer ranks; above 1 the policy is sharded with FSDP2 (gloo on CPU).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where the trainer runs: cuda (NCCL between ranks; the policy is sharded with FSDP2 even on one rank), "
+        "cpu (gloo), or auto: cuda when the trainer's process sees a GPU, else cpu.",
+    )
+    mixed_precision: Literal["auto", "bf16", "none"] = Field(
+        "auto",
+        description="FSDP2 mixed precision: bf16 computes in bfloat16 and reduces gradients in float32 (weights and "
+        "optimizer state stay in model.dtype); none computes in model.dtype; auto is bf16 on cuda, none on cpu.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass instead of keeping them: less "
+        "memory for about one more forward pass.",
+    )
 
 
 class WarmupConfig(Section):
@@ -284,12 +364,44 @@ class StorageConfig(Section):
         return root
 
 
+PoolRole = Literal[POOL_ROLES]  # type: ignore[valid-type]
+
+
+class PoolConfig(Section):
+    """One resource pool (HybridFlow): nodes of equal size and the roles placed on them;
+    a Ray placement group (docs/placement.md)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$", description="Pool name (letters, digits, '_', '.', '-').")
+    nodes: int = Field(1, ge=1, le=1024, description="Nodes in the pool.")
+    cpus_per_node: float = Field(gt=0, description="Ray CPUs the pool reserves on each node.")
+    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs the pool reserves on each node (0: a CPU pool).")
+    roles: list[PoolRole] = Field(
+        min_length=1,
+        description=f"Roles placed on this pool ({', '.join(POOL_ROLES)}); trainer and rollout on one pool are colocated "
+        "(the engine releases its memory while the trainer runs), on two pools split.",
+    )
+
+
 class ResourcesConfig(Section):
+    pools: list[PoolConfig] = Field(
+        default_factory=list,
+        description="Resource pools and the roles on each (docs/placement.md); empty: every actor reserves its *_cpus "
+        "from the whole cluster.",
+    )
     rollout_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each rollout worker.")
     trainer_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each trainer rank.")
     reward_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved by the reward worker (rule-based rewards are light: 0).")
     critic_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved by the critic (GAE estimators only).")
     torch_threads: int = Field(1, ge=1, description="torch threads per worker process (one is fastest on small CPUs).")
+
+    @field_validator("pools")
+    @classmethod
+    def _pool_names_unique(cls, pools: list[PoolConfig]) -> list[PoolConfig]:
+        names = [p.name for p in pools]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"pool names must differ; {', '.join(map(repr, twice))} is used more than once")
+        return pools
 
 
 class TrackingConfig(Section):
@@ -351,4 +463,12 @@ class RunConfig(Section):
             )
         if self.algorithm.kl.target is not None and self.algorithm.kl.coef == 0:
             raise ValueError("algorithm.kl.coef must be > 0 when algorithm.kl.target is set (the adaptive controller scales it)")
+        return self
+
+    @model_validator(mode="after")
+    def _placement_fits(self) -> "RunConfig":
+        """resources.pools: every role on one pool, each pool big enough (placement_plan.py)."""
+        problems = placement_problems(self)
+        if problems:
+            raise ValueError(problems_text(problems))
         return self

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ratchet.algorithms import remax_baselines
+from ratchet.algorithms import dynamic_sampling_keep, remax_baselines
 from ratchet.storage import BatchStore
 
 from .columns import Fields, Parts, part_name
+from .results import ScoreResult
 
 TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs", "policy_version", "prompt_index")
 
@@ -114,3 +115,111 @@ def load_step(store: BatchStore, batch_index: int, parts: int = 1) -> ScoredStep
         scores = [load_scores(store, batch_index, part_name(Parts.BASELINE_SCORES, p))[0] for p in range(parts)]
         baseline = remax_baselines(batch.prompt_index, torch.cat(greedy), torch.cat(scores))
     return ScoredStep(batch=batch, rewards=rewards, baseline_rewards=baseline)
+
+
+# -- a batch handed from actor to actor in memory (sync mode's `step` activity) ----------
+
+
+def score_summary(rewards: torch.Tensor, prompt_index: torch.Tensor, seconds: float) -> ScoreResult:
+    """The numbers the workflow sees of a scored batch."""
+    keep = dynamic_sampling_keep(rewards, prompt_index)
+    return ScoreResult(
+        reward_mean=float(rewards.mean().item()),
+        reward_std=float(rewards.std().item()) if len(rewards) > 1 else 0.0,
+        num_samples=len(rewards),
+        informative_groups=int(torch.unique(prompt_index[keep]).numel()),
+        seconds=seconds,
+    )
+
+
+@dataclass
+class StepScores:
+    """`RewardWorker.score_shares`: the rewards of a batch handed over in memory (and of
+    its ReMax baseline), for the trainer, which stores them with the batch."""
+
+    rewards: torch.Tensor  # [B]
+    extras: list[dict]
+    result: ScoreResult
+    baseline_rewards: torch.Tensor | None = None  # [prompts], ReMax
+    baseline_extras: list[dict] | None = None
+
+
+@dataclass(frozen=True)
+class HandedSummary:
+    """What the `step` activity reports of the batch a trainer rank updated on: taken from
+    the batch itself, so a retried step reports the batch that was really trained on."""
+
+    num_samples: int
+    num_response_tokens: int
+    response_length_mean: float
+    generate_seconds: float
+    policy_version: int  # the oldest version among its tokens' (the one generation started with)
+    score: ScoreResult
+
+
+@dataclass
+class HandedStep:
+    """One training step's input (one rollout round) as the trainer got it from the rollout
+    and reward workers through Ray's object store, and stored as those would have stored
+    it: the parts `rollout`, `baseline`, `scores`, `baseline-scores` of the batch, which
+    recovery replays (`load_step` reads them back to the same tensors)."""
+
+    batch: RolloutBatch
+    baseline: RolloutBatch | None
+    scores: StepScores
+    generate_seconds: float = 0.0
+    policy_version: int = 0
+
+    @classmethod
+    def from_shares(cls, scores: StepScores, shares: list) -> "HandedStep":
+        """The batch of the rollout shares (`results.RolloutShare`, in order), as
+        `RolloutWorker.save_shares` joins them; padding 0, as `load_step` pads."""
+        batch = RolloutBatch.concat([s.batch for s in shares], pad_id=0)
+        baseline = RolloutBatch.concat([s.baseline for s in shares], pad_id=0) if shares[0].baseline is not None else None
+        return cls(
+            batch=batch,
+            baseline=baseline,
+            scores=scores,
+            generate_seconds=max(s.generate_seconds for s in shares),
+            policy_version=min(s.policy_version for s in shares),
+        )
+
+    @classmethod
+    def load(cls, store: BatchStore, batch_index: int) -> "HandedStep":
+        """A stored step read back (a retried step whose trainer kept no handed batch)."""
+        batch = RolloutBatch.load(store, batch_index, Parts.ROLLOUT)
+        rewards, extras = load_scores(store, batch_index, Parts.SCORES)
+        baseline, base_rewards, base_extras = None, None, None
+        if store.has(batch_index, Parts.BASELINE_SCORES):
+            baseline = RolloutBatch.load(store, batch_index, Parts.BASELINE)
+            base_rewards, base_extras = load_scores(store, batch_index, Parts.BASELINE_SCORES)
+        scores = StepScores(rewards, extras, score_summary(rewards, batch.prompt_index, 0.0), base_rewards, base_extras)
+        version = int(batch.policy_version[batch.response_mask > 0].min().item()) if batch.response_mask.any() else 0
+        return cls(batch=batch, baseline=baseline, scores=scores, policy_version=version)
+
+    def scored_step(self) -> ScoredStep:
+        baseline = None
+        if self.baseline is not None:
+            baseline = remax_baselines(self.batch.prompt_index, self.baseline.prompt_index, self.scores.baseline_rewards)
+        return ScoredStep(batch=self.batch, rewards=self.scores.rewards, baseline_rewards=baseline)
+
+    def save(self, store: BatchStore, batch_index: int) -> None:
+        """Store it as part 0 of batch `batch_index` (a retry overwrites the same keys);
+        the scores last, as the reward worker writes them after the rollout."""
+        if self.baseline is not None:
+            self.baseline.save(store, batch_index, Parts.BASELINE)
+        self.batch.save(store, batch_index, Parts.ROLLOUT)
+        save_scores(store, batch_index, self.scores.rewards, self.scores.extras, Parts.SCORES)
+        if self.baseline is not None:
+            save_scores(store, batch_index, self.scores.baseline_rewards, self.scores.baseline_extras or [], Parts.BASELINE_SCORES)
+
+    def summary(self) -> HandedSummary:
+        lengths = self.batch.response_mask.sum(-1)
+        return HandedSummary(
+            num_samples=len(self.batch),
+            num_response_tokens=int(lengths.sum().item()),
+            response_length_mean=float(lengths.float().mean().item()),
+            generate_seconds=self.generate_seconds,
+            policy_version=self.policy_version,
+            score=self.scores.result,
+        )

@@ -4,42 +4,54 @@ It calls the very pieces the Ray workers call (engine, reward scoring, `PolicyTr
 `CriticTrainer`), so benchmarks can measure the bare algorithm and compare estimators
 quickly. It is not durable and does no dynamic-sampling refills; use the workflow for
 real runs.
+
+It imports no pydantic, omegaconf or pyarrow itself: the config is read by attribute, so
+the GPU check (benchmarks/gpu_check.py) can drive it on a machine with torch and
+transformers only.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ratchet.algorithms import ADV_ESTIMATORS, remax_baselines
-from ratchet.config.schema import RunConfig
+from ratchet.data.order import data_order_seed
 from ratchet.tasks.loading import load_reward_fn
 
 from .batch import ScoredStep
-from .critic import CriticTrainer
-from .engines import ENGINES, SamplingParams
+from .engines import Engine, SamplingParams, build_engine
 from .policy_update import PolicyTrainer
 from .prompts import PromptSet
 from .rollout_batching import generate_batch, prompt_indices, sampling_seed
 from .runtime import configure_worker_process
 from .scoring import score_batch
+from .weight_sync import local_source
+
+if TYPE_CHECKING:
+    from ratchet.config.schema import RunConfig
 
 
 class LocalLoop:
-    def __init__(self, cfg: RunConfig, policy_path: str | None = None):
+    def __init__(self, cfg: RunConfig, policy_path: str | None = None, *, engine: Engine | None = None):
+        """`engine`: one already serving `policy_path`'s weights (tests share one across
+        loops; the GPU check hands in one on CUDA); by default the config's
+        (`rollout.engine` with its options section, engines/build.py)."""
         configure_worker_process(cfg.resources.torch_threads)
         path = policy_path or cfg.model.path
         self.cfg = cfg
-        self.engine = ENGINES.get(cfg.rollout.engine)(path, dtype=cfg.model.dtype)
+        self.engine = engine if engine is not None else build_engine(cfg, path)
         self.trainer = PolicyTrainer(path, cfg)
-        self.critic = CriticTrainer(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})) if cfg.uses_critic else None
+        self.critic = None
+        if cfg.uses_critic:
+            from .critic import CriticTrainer
+
+            self.critic = CriticTrainer(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})}))
         d = cfg.data
-        self.prompts = PromptSet(d.train_files, self.engine.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length)
-        self.eval_prompts = (
-            PromptSet(d.eval_files, self.engine.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length)
-            if d.eval_files
-            else None
-        )
+        self.prompts = PromptSet.from_config(d, d.train_files, self.engine.tokenizer)
+        self.eval_prompts = PromptSet.from_config(d, d.eval_files, self.engine.tokenizer) if d.eval_files else None
+        self.order_seed = data_order_seed(cfg)  # the workflow's prompt order (data.shuffle, data.seed)
         if cfg.reward.function is None:
             raise ValueError("the local loop scores with reward.function only; set it")
         self.reward_fn = load_reward_fn(cfg.reward.function)
@@ -56,7 +68,7 @@ class LocalLoop:
         """One step: generate, score, (values), train, (critic), sync. Returns metrics with phase seconds."""
         t = [time.perf_counter()]
         per = self.cfg.loop.prompts_per_step
-        indices = prompt_indices(step * per, per, len(self.prompts))
+        indices = prompt_indices(step * per, per, len(self.prompts), self.order_seed)
         params = self._sampling(step)
         pad = self.engine.pad_id
         batch = generate_batch(self.engine, self.prompts, indices, params, policy_version=self.trainer.version, pad_id=pad)
@@ -75,7 +87,9 @@ class LocalLoop:
         if self.critic:
             metrics.update(self.critic.update(batch, values, result.returns))
         t.append(time.perf_counter())
-        self.engine.load_weights(self.trainer.state_numpy().items())
+        # Bucket by bucket, gathered as the engine loads them (weight_sync): no model copy.
+        source = local_source(self.trainer.model, engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=self.trainer.version)
+        self.engine.load_weights(source.pairs())
         t.append(time.perf_counter())
         metrics.update(
             reward_mean=rewards.mean().item(),

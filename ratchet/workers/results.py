@@ -7,6 +7,7 @@ activities turn them into the dataclasses that cross Temporal (ratchet/types.py)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,18 @@ class GenerateResult:
     response_length_mean: float
     generate_seconds: float
     policy_version: int  # the version it started with: the oldest of its tokens
+
+
+@dataclass(frozen=True)
+class RolloutShare:
+    """`RolloutWorker.generate_share`: one replica's share of a batch, in memory (Ray's
+    object store), for `RolloutWorker.save_shares` to store as one batch
+    (workers/actors/rollout_pool.py)."""
+
+    batch: Any  # RolloutBatch (typed loosely: this module imports no torch)
+    baseline: Any  # RolloutBatch of the greedy baseline (ReMax), or None
+    generate_seconds: float
+    policy_version: int  # the version it started with
 
 
 @dataclass(frozen=True)

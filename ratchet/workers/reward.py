@@ -12,7 +12,7 @@ from ratchet.config.schema import RunConfig
 from ratchet.storage import BatchStore, ObjectStore, RunLayout
 from ratchet.tasks.loading import load_reward_fn
 
-from .batch import RolloutBatch, save_scores
+from .batch import RolloutBatch, StepScores, save_scores, score_summary
 from .columns import Parts, part_name
 from .hf_io import local_hf_path
 from .results import ScoreResult
@@ -66,3 +66,16 @@ class RewardWorker:
             informative_groups=int(torch.unique(batch.prompt_index[keep]).numel()),
             seconds=time.perf_counter() - t0,
         )
+
+    def score_shares(self, batch_index: int, *shares) -> StepScores:
+        """Score a batch handed over in memory (`results.RolloutShare`s, in order: sync
+        mode's `step` activity); nothing is written: the trainer stores batch and scores."""
+        t0 = time.perf_counter()
+        batch = RolloutBatch.concat([s.batch for s in shares], pad_id=0)
+        rewards, extras = self._rewards(batch, batch_index)
+        base_rewards, base_extras = None, None
+        if shares[0].baseline is not None:  # ReMax: the greedy baseline responses
+            baseline = RolloutBatch.concat([s.baseline for s in shares], pad_id=0)
+            base_rewards, base_extras = self._rewards(baseline, batch_index)
+        result = score_summary(rewards, batch.prompt_index, time.perf_counter() - t0)
+        return StepScores(rewards=rewards.float(), extras=extras, result=result, baseline_rewards=base_rewards, baseline_extras=base_extras)

@@ -15,7 +15,10 @@ after the trainer moved on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -23,21 +26,26 @@ from pathlib import Path
 from typing import Mapping
 
 import numpy as np
-from safetensors import numpy as safetensors_numpy
 
 from ratchet.algorithms import ADV_ESTIMATORS
 from ratchet.config.schema import RunConfig
+from ratchet.data.order import data_order_seed
 from ratchet.storage import BatchStore, ObjectStore, RunLayout
 
+from .batch import RolloutBatch
 from .columns import Parts, part_name
-from .engines import ENGINES, SamplingParams
+from .engines import SamplingParams, build_engine
 from .hf_io import local_hf_path
 from .prompts import PromptSet
-from .results import EvalBatchResult, GenerateResult
+from .results import EvalBatchResult, GenerateResult, RolloutShare
 from .rollout_batching import generate_batch, prompt_indices, sampling_seed
 from .runtime import configure_worker_process
+from .weight_sync import SafetensorsSource, SafetensorsWriter, WeightSource, as_source, check_names, pairs
 
 log = logging.getLogger(__name__)
+
+# The version a worker reports while its engine holds a half-loaded mix of two versions.
+TORN_VERSION = -1
 
 
 class RolloutWorker:
@@ -45,13 +53,12 @@ class RolloutWorker:
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg = cfg
         self.policy_path = local_hf_path(policy_path)
-        self.engine = ENGINES.get(cfg.rollout.engine)(self.policy_path, dtype=cfg.model.dtype)
+        self.engine = build_engine(cfg, self.policy_path)
         tok = self.engine.tokenizer
         d = cfg.data
-        self.train = PromptSet(d.train_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length)
-        self.eval = (
-            PromptSet(d.eval_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length) if d.eval_files else None
-        )
+        self.train = PromptSet.from_config(d, d.train_files, tok)
+        self.eval = PromptSet.from_config(d, d.eval_files, tok) if d.eval_files else None
+        self.order_seed = data_order_seed(cfg)  # the training prompts' order (data.shuffle, data.seed)
         self.run = ObjectStore(run_uri)
         self.version = 0
         self.needs_baseline = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).needs_baseline
@@ -67,15 +74,58 @@ class RolloutWorker:
     def generate(
         self, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0, exact: bool = False
     ) -> GenerateResult:
+        share = self.generate_share(batch_index, prompt_start, prompt_count, policy_version, part, exact)
+        return self.save_shares(batch_index, part, share)
+
+    def generate_share(
+        self, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0, exact: bool = False,
+        position: int = 0,
+    ) -> RolloutShare:  # fmt: skip
+        """The samples of `prompt_count` prompts from `prompt_start`, kept in memory: the
+        prompts at `position` .. of batch `batch_index` (rollout_pool.py splits a batch
+        over replicas; a prompt's seed depends on its position, so the split does not
+        change the samples)."""
         with self._generation(swappable=True) as (version, swap):
             # Newer weights than asked for are fine (a sync landed first, or the worker was
             # recreated from the trainer): the batch records the versions it really used.
             # A deterministic run asks for exactly one version.
             if policy_version > version or (exact and policy_version != version):
                 raise RuntimeError(f"rollout worker holds policy v{version}, asked for v{policy_version}")
-            return self._generate(batch_index, prompt_start, prompt_count, version, part, swap)
+            return self._generate(batch_index, prompt_start, prompt_count, version, part, swap, position)
 
-    def _generate(self, batch_index: int, prompt_start: int, prompt_count: int, version: int, part: int, swap) -> GenerateResult:
+    def generate_share_and_version(
+        self, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0, exact: bool = False,
+        position: int = 0,
+    ) -> tuple[int, RolloutShare]:  # fmt: skip
+        """`generate_share`, returned as (its policy version, the share): called with Ray's
+        num_returns=2, the rollout pool waits on the small first value and hands the share
+        on by reference, never fetching it (workers/actors/rollout_pool.py)."""
+        share = self.generate_share(batch_index, prompt_start, prompt_count, policy_version, part, exact, position)
+        return share.policy_version, share
+
+    def save_shares(self, batch_index: int, part: int, *shares: RolloutShare) -> GenerateResult:
+        """Store the shares, in the order given, as rollout part `part` of batch
+        `batch_index` (one share: as generated), the same rows one worker would write."""
+        store = BatchStore(self.run)
+        pad = self.engine.pad_id
+        batch = RolloutBatch.concat([s.batch for s in shares], pad_id=pad)
+        if shares[0].baseline is not None:
+            RolloutBatch.concat([s.baseline for s in shares], pad_id=pad).save(store, batch_index, part_name(Parts.BASELINE, part))
+        uri = batch.save(store, batch_index, part_name(Parts.ROLLOUT, part))
+        lengths = batch.response_mask.sum(-1)
+        return GenerateResult(
+            uri=uri,
+            num_samples=len(batch),
+            num_response_tokens=int(lengths.sum().item()),
+            response_length_mean=float(lengths.float().mean().item()),
+            # The shares ran side by side: the batch took as long as the slowest.
+            generate_seconds=max(s.generate_seconds for s in shares),
+            policy_version=min(s.policy_version for s in shares),
+        )
+
+    def _generate(
+        self, batch_index: int, prompt_start: int, prompt_count: int, version: int, part: int, swap, position: int = 0
+    ) -> RolloutShare:
         r = self.cfg.rollout
         params = SamplingParams(
             n=r.n,
@@ -85,26 +135,37 @@ class RolloutWorker:
             seed=sampling_seed(self.cfg.seed, batch_index, part),
         )
         t0 = time.perf_counter()
-        store = BatchStore(self.run)
-        indices = prompt_indices(prompt_start, prompt_count, len(self.train))
+        indices = prompt_indices(prompt_start, prompt_count, len(self.train), self.order_seed)
         pad = self.engine.pad_id
-        batch = generate_batch(self.engine, self.train, indices, params, policy_version=version, pad_id=pad, weight_swap=swap)
+        batch = generate_batch(
+            self.engine, self.train, indices, params, policy_version=version, pad_id=pad, weight_swap=swap, first_position=position
+        )
+        baseline = None
         if self.needs_baseline:
             # ReMax: one greedy response per prompt, scored as the baseline of its group.
             greedy = replace(params, n=1, greedy=True)
             baseline = generate_batch(self.engine, self.train, indices, greedy, policy_version=self.version, pad_id=pad, weight_swap=swap)
-            baseline.save(store, batch_index, part_name(Parts.BASELINE, part))
-        seconds = time.perf_counter() - t0
-        uri = batch.save(store, batch_index, part_name(Parts.ROLLOUT, part))
-        lengths = batch.response_mask.sum(-1)
-        return GenerateResult(
-            uri=uri,
-            num_samples=len(batch),
-            num_response_tokens=int(lengths.sum().item()),
-            response_length_mean=float(lengths.float().mean().item()),
-            generate_seconds=seconds,
-            policy_version=version,
-        )
+        return RolloutShare(batch=batch, baseline=baseline, generate_seconds=time.perf_counter() - t0, policy_version=version)
+
+    # -- colocated placement: the engine gives its device memory back while the trainer runs
+
+    def sleep(self) -> bool:
+        """Release the engine's device memory if it can (vLLM sleep mode, SGLang
+        release_memory_occupation; nothing on CPU). Returns whether the engine has `sleep`."""
+        return self._engine_call("sleep")
+
+    def wake_up(self) -> bool:
+        """Take the engine's memory back before it generates or loads weights."""
+        return self._engine_call("wake_up")
+
+    def _engine_call(self, method: str) -> bool:
+        fn = getattr(self.engine, method, None)
+        if fn is None:
+            return False
+        with self._cv:
+            self._cv.wait_for(lambda: not self._generating)
+            fn()
+        return True
 
     def generate_eval(self, step: int, size: int) -> EvalBatchResult:
         """Greedy answers to the first `size` eval prompts, stored under `evals/` by the
@@ -118,19 +179,33 @@ class RolloutWorker:
             batch = generate_batch(self.engine, self.eval, indices, params, policy_version=version, pad_id=self.engine.pad_id)
         return EvalBatchResult(uri=batch.save(BatchStore(self.run, RunLayout.EVALS), step), num_samples=len(batch), policy_version=version)
 
-    def load_weights(self, weights: Mapping[str, np.ndarray], version: int) -> int:
-        """Serve `weights` as policy `version`; returns the bytes received. During a
-        generation (partial rollouts) they are loaded at its next decode step."""
+    def load_weights(self, weights: "WeightSource | Mapping[str, np.ndarray]", version: int | None = None) -> int:
+        """Serve `weights` (a weight source: a stream of buckets from the trainer, or a dict
+        of arrays) as policy `version` (None: the version the source names); returns the
+        bytes received. The names are checked against the model before anything is loaded.
+        During a generation (partial rollouts) they are loaded at its next decode step."""
+        source = as_source(weights, version)
+        try:
+            manifest = source.manifest()  # a stream: waits until the trainer passed its checks
+            version = manifest.version if version is None else version
+            names, optional = _model_weight_names(self.policy_path)
+            if names is not None:
+                check_names(manifest.all_names, names, optional=optional, what=f"the weights of policy v{version}")
+        except BaseException as e:
+            source.close(f"{type(e).__name__}: {e}")
+            raise
         with self._cv:
             if self._generating and self._pending_allowed:
-                self._pending = (weights, version)
-                self._cv.wait_for(lambda: self._pending is None or self._pending[1] != version)
+                self._pending = (source, version)
+                self._cv.wait_for(lambda: self._pending is None or self._pending[0] is not source)
+                failed = self._failed_load
+                if failed is not None and failed[0] is source:
+                    self._failed_load = None
+                    raise failed[1]
             else:
                 self._cv.wait_for(lambda: not self._generating)
-                self._load(weights, version)
-        if self.cfg.deterministic:
-            self._log_policy(weights, version)
-        return int(sum(np.asarray(v).nbytes for v in weights.values()))
+                self._load(source, version, record=self.cfg.deterministic)
+        return int(source.nbytes)
 
     # -- deterministic runs: every version served is kept a while, to be served again ------
 
@@ -138,21 +213,25 @@ class RolloutWorker:
         """Serve policy `version` from the policy log (v0: the initial policy's files), as a
         deterministic run asks when this worker holds another version: it was recreated,
         or an evaluation loaded newer weights. False if that version is not logged."""
-        if version == 0:
-            weights = _hf_weights(self.policy_path)
-        elif self.run.exists(RunLayout.policy_log(version)):
-            weights = safetensors_numpy.load(self.run.get_bytes(RunLayout.policy_log(version)))
-        else:
+        if version != 0 and not self.run.exists(RunLayout.policy_log(version)):
             return False
-        with self._cv:
-            self._cv.wait_for(lambda: not self._generating)
-            self._load(weights, version)
+        with tempfile.TemporaryDirectory(prefix="ratchet-policy-log-") as tmp:
+            if version == 0:
+                source = _hf_weights(self.policy_path)
+            else:
+                local = Path(tmp) / "weights.safetensors"
+                self.run.get_file(RunLayout.policy_log(version), local)
+                source = SafetensorsSource([local], version)  # read one tensor at a time
+            with self._cv:
+                self._cv.wait_for(lambda: not self._generating)
+                self._load(source, version)
         return True
 
-    def _log_policy(self, weights: Mapping[str, np.ndarray], version: int) -> None:
+    def _log_policy(self, local_file: Path, version: int) -> None:
         """Keep the versions a batch may still be generated by: a sample trained at the
-        newest version lags at most max_staleness, and syncs come every sync_every updates."""
-        self.run.put_bytes(RunLayout.policy_log(version), safetensors_numpy.save({k: np.ascontiguousarray(v) for k, v in weights.items()}))
+        newest version lags at most max_staleness, and syncs come every sync_every updates.
+        `local_file`: the version's weights, written as they streamed into the engine."""
+        self.run.put_file(RunLayout.policy_log(version), local_file)
         keep_from = version - self.cfg.loop.max_staleness - self.cfg.loop.sync_every
         for key in self.run.list(RunLayout.POLICY_LOG):
             if RunLayout.policy_log_version(key) < keep_from:
@@ -162,17 +241,53 @@ class RolloutWorker:
 
     _pending_allowed = False  # set while a swappable generation runs
 
-    def _load(self, weights: Mapping[str, np.ndarray], version: int) -> None:
-        self.engine.load_weights(weights.items())
+    # (source, error) of a hand-over whose load failed, for the `load_weights` that waits on it.
+    _failed_load: "tuple[WeightSource, BaseException] | None" = None
+
+    def _load(self, source: "WeightSource", version: int, *, record: bool = False) -> None:
+        """Load `source` into the engine (the caller holds `_cv`). A load that fails once
+        weights started to arrive leaves the engine torn between two versions: it then
+        serves `TORN_VERSION`, which no batch asks for, so the next rollout or sync
+        reloads it in full. A failed hand-over is recorded for its waiter, not raised here
+        (a generation that ends must not fail for it)."""
+        writer = None
+        try:
+            buckets = source.buckets()
+            if record:  # a deterministic run's policy log, written as the weights stream past
+                writer = SafetensorsWriter(source.manifest(), Path(tempfile.mkdtemp(prefix="ratchet-policy-log-")) / "w.safetensors")
+                buckets = writer.tee(buckets)
+            self.engine.load_weights(pairs(buckets, source.manifest().aliases))
+        except BaseException as e:
+            if writer is not None:
+                writer.discard()
+            source.close(f"{type(e).__name__}: {e}")
+            if source.started:
+                log.error("loading policy v%d failed halfway (%s); the engine's weights are torn until reloaded", version, e)
+                self.version = TORN_VERSION
+            if self._pending is not None and self._pending[0] is source:
+                self._failed_load = (source, e)
+                self._pending = None
+                self._cv.notify_all()
+                return
+            raise
         self.version = version
+        if writer is not None:
+            path = writer.finish()
+            try:
+                self._log_policy(path, version)
+            finally:
+                shutil.rmtree(path.parent, ignore_errors=True)
 
     def _swap(self) -> int | None:
-        """Called by the generating thread between decode steps."""
+        """Called by the generating thread between decode steps. A load that failed ends
+        the generation: its tokens would come from torn weights."""
         with self._cv:
             if self._pending is None:
                 return None
-            weights, version = self._pending
-            self._load(weights, version)
+            source, version = self._pending
+            self._load(source, version)
+            if self._failed_load is not None and self._failed_load[0] is source:
+                raise RuntimeError(f"weight sync to policy v{version} failed inside a generation: {self._failed_load[1]}")
             self._pending = None
             self._cv.notify_all()
             return version
@@ -196,12 +311,30 @@ class RolloutWorker:
                 self._cv.notify_all()
 
 
-def _hf_weights(model_dir) -> dict[str, np.ndarray]:
-    """A Hugging Face model folder's weights as float32/int arrays, by parameter name."""
-    from safetensors.torch import load_file
+def _hf_weights(model_dir) -> "WeightSource":
+    """A Hugging Face model folder's weights, read one tensor at a time (a tied lm_head,
+    which the folder does not store, handed on as the embedding's alias)."""
+    _, optional = _model_weight_names(str(model_dir))
+    aliases = [("lm_head.weight", "model.embed_tokens.weight")] if "lm_head.weight" in optional else []
+    return SafetensorsSource(sorted(Path(model_dir).glob("*.safetensors")), aliases=aliases)
 
-    out = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        for k, v in load_file(str(f)).items():
-            out[k] = (v.float() if v.is_floating_point() else v).numpy()
-    return out
+
+@functools.lru_cache(maxsize=8)
+def _model_weight_names(model_dir: str) -> tuple[frozenset[str] | None, frozenset[str]]:
+    """(parameter names in the model folder's safetensors headers, names that may be
+    absent on either side: a tied lm_head); (None, ...) when the folder has no
+    safetensors files (the engine then checks alone)."""
+    import json
+
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None, frozenset()
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="np") as st:
+            names.update(st.keys())
+    config = Path(model_dir) / "config.json"
+    tied = config.exists() and json.loads(config.read_text()).get("tie_word_embeddings", False)
+    return frozenset(names), frozenset({"lm_head.weight"} if tied else ())

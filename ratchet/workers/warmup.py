@@ -71,7 +71,7 @@ def warmup_policy(cfg, base_model_path: str, run_uri: str) -> WarmupResult:
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base_model_path)
     model = AutoModelForCausalLM.from_pretrained(base_model_path)
-    prompts = PromptSet(cfg.data.train_files, tokenizer, prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length)
+    prompts = PromptSet.from_config(cfg.data, cfg.data.train_files, tokenizer)
     w = cfg.warmup
     losses = supervised_warmup(model, tokenizer, prompts, steps=w.steps, lr=w.lr, batch_size=w.batch_size, seed=cfg.seed)
     summary = {"loss_first": losses[0], "loss_last": losses[-1]}

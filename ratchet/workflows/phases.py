@@ -41,6 +41,8 @@ PHASES = {
     "score": Phase(timedelta(minutes=30)),
     "train": Phase(timedelta(minutes=30)),
     "sync_weights": Phase(timedelta(minutes=10)),
+    # Sync mode's generate, score, train and sync in one activity (activities/training.py).
+    "step": Phase(timedelta(minutes=60)),
     "evaluate": Phase(timedelta(minutes=30)),
     "checkpoint": Phase(timedelta(minutes=10)),
     "record_step": Phase(timedelta(minutes=1), heartbeat=False),

@@ -1,6 +1,7 @@
 """The training workflow: warm-up, then RL steps in one of three loop modes.
 
-- `sync`: per step rollout, score, train, sync, in order (the on-policy baseline).
+- `sync`: per step rollout, score, train, sync, in order (the on-policy baseline), as one
+  `step` activity that hands the batch between the actors in memory (activities/training.py).
 - `one_step_off`: batch n+1 is generated with the weights of step n while step n trains;
   the new weights are synced before the rollout after it starts.
 - `fully_async`: a producer keeps rollouts running ahead of the trainer; a batch starts only
@@ -66,6 +67,8 @@ from ratchet.types import (
     ScoreOutput,
     StartWorkersInput,
     StartWorkersOutput,
+    StepInput,
+    StepOutput,
     StepRecord,
     SyncInput,
     SyncOutput,
@@ -78,6 +81,10 @@ from ratchet.types import (
 from ratchet.workflows import scheduling as sched
 from ratchet.workflows.modes import LOOP_MODES
 from ratchet.workflows.phases import PHASES, RETRY
+
+# Sync runs started before the `step` activity existed replay their per-phase history.
+FUSED_SYNC_STEP = "sync-step-activity"
+
 
 @workflow.defn(name="TrainingWorkflow")
 class TrainingWorkflow:
@@ -247,9 +254,12 @@ class TrainingWorkflow:
     async def _sync_loop(self, state: RunState, plan: LoopPlan) -> bool:
         while state.next_step < plan.steps and await self._boundary():
             t0 = workflow.now()
-            rounds = await self._rollout(state, plan)
-            trained = await self._train(state, rounds)
-            synced = await self._sync(state)
+            if plan.sampling_rounds == 1 and workflow.patched(FUSED_SYNC_STEP):
+                rounds, trained, synced = await self._fused_step(state, plan)
+            else:  # DAPO refills decide between rounds: a round trip each
+                rounds = await self._rollout(state, plan)
+                trained = await self._train(state, rounds)
+                synced = await self._sync(state)
             await self._record(state, plan, rounds, trained, synced, t0, trainer_wait=0.0)
             if self._continue_as_new_suggested(state, plan):
                 return True
@@ -442,6 +452,35 @@ class TrainingWorkflow:
             if generated is not None:
                 generated.set()
         return rounds
+
+    async def _fused_step(self, state: RunState, plan: LoopPlan) -> tuple[list[ScoredBatch], TrainOutput, SyncOutput]:
+        """Sync mode's step as one `step` activity: generate, score, train and sync on the
+        actors, the batch handed between them in memory; one round trip instead of four."""
+        index = state.next_batch
+        state.next_batch += 1
+        version = sched.generating_version(plan, state, index)
+        self._in_flight[index] = version
+        self._in_flight_prompts[index] = []
+        try:
+            rollout = RolloutInput(
+                run=state.run,
+                batch_index=index,
+                prompt_start=self._take_prompts(state, plan, index),
+                prompt_count=plan.prompts_per_step,
+                policy_version=version,
+                exact_version=plan.deterministic,
+            )
+            inp = StepInput(rollout, state.policy_version, kl_coef=state.kl_coef)
+            async with self._rollout_lock:
+                out: StepOutput = await self._call("step", inp, StepOutput)
+        finally:
+            del self._in_flight[index]
+            del self._in_flight_prompts[index]
+        self._rollout_busy_seconds += out.batch.generate_seconds
+        state.policy_version = out.trained.policy_version
+        state.kl_coef = out.trained.kl_coef
+        state.rollout_version = max(state.rollout_version, out.synced.policy_version)
+        return [ScoredBatch(out.batch, out.score)], out.trained, out.synced
 
     async def _train(self, state: RunState, rounds: list[ScoredBatch]) -> TrainOutput:
         first = rounds[0].batch

@@ -17,7 +17,6 @@ from ratchet.types import RunSummary
 pytestmark = pytest.mark.integration
 
 STEPS = 30
-PHASES = ("generate", "score", "train", "sync_weights")
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +66,25 @@ def test_eval_reward_beats_warmup_model(grpo_run):
     assert summary.eval_rewards[str(STEPS)] > summary.eval_rewards["0"] + 0.005, summary.eval_rewards
 
 
-def test_history_has_one_activity_per_phase_per_step(grpo_run, platform):
-    handle, _ = grpo_run
+def test_history_has_one_step_activity_per_step(grpo_run, platform):
+    """Sync mode runs a step as one `step` activity (generate, score, train, sync on the
+    actors), each batch stored once: rollout and scores of every step in the batch store."""
+    from ratchet.storage import BatchStore, ObjectStore
+    from ratchet.workers.batch import load_step
+
+    handle, summary = grpo_run
     history = handle.history()
     scheduled = Counter(
         e.activity_task_scheduled_event_attributes.activity_type.name
         for e in history.events
         if e.HasField("activity_task_scheduled_event_attributes")
     )
-    for phase in PHASES:
-        assert scheduled[phase] == STEPS, scheduled
+    assert scheduled["step"] == STEPS, scheduled
+    assert scheduled["generate"] == scheduled["score"] == scheduled["train"] == scheduled["sync_weights"] == 0, scheduled
+    batches = BatchStore(ObjectStore(summary.run_uri))
+    for index in range(STEPS):
+        stored = load_step(batches, index)
+        assert len(stored.batch) == 16 * 8 and stored.rewards.shape == (16 * 8,)
     assert scheduled["prepare_run"] == scheduled["warmup"] == scheduled["start_workers"] == scheduled["finish_run"] == 1
     assert scheduled["evaluate"] == 2
     assert scheduled["checkpoint"] == STEPS // 10  # checkpoint.every defaults to 10

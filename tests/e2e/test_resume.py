@@ -73,5 +73,5 @@ def test_continue_as_new_every_n_steps_carries_the_run_state(platform):
     events = handle.history().events
     assert events[0].workflow_execution_started_event_attributes.continued_execution_run_id
     trains = [e for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-              and e.activity_task_scheduled_event_attributes.activity_type.name == "train"]  # fmt: skip
+              and e.activity_task_scheduled_event_attributes.activity_type.name == "step"]  # fmt: skip
     assert len(trains) == 1

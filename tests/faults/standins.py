@@ -1,7 +1,7 @@
 """The real training workflow on a real Temporal dev server, with stand-in activities.
 
 The stand-ins are registered under the activity names the workflow calls (`generate`,
-`train`, `release_run`, ...), answer at once with made-up but consistent results, and
+`train`, `release_run`, ...; sync mode's `step` plays the four phases' stand-ins in order), answer at once with made-up but consistent results, and
 record every call, so a test can say which activities a run called and with what. They are
 fakes on purpose: what these tests prove is the workflow's control flow (cleanup,
 continue-as-new, failing instead of hanging), which needs no Ray, no torch and no model;
@@ -86,7 +86,29 @@ class StandIns:
             "release_run": lambda i: t.ReleaseOutput(released=[f"{i.run_id}-trainer-0"]),
         }
         answers.update(self.answers)
-        return [self._activity(name, answer) for name, answer in answers.items()]
+        self._answers = answers
+        return [self._activity(name, answer) for name, answer in answers.items()] + [self._step_activity()]
+
+    def _step_activity(self):
+        """Sync mode's `step`: recorded as itself, then as the four phases it runs (each
+        with its stand-in's answer, failure, block or delay), so the phases' order and
+        inputs read as in the other modes."""
+        play = {name: self._play(name, self._answers[name]) for name in ("generate", "score", "train", "sync_weights")}
+        started = self.started.setdefault("step", asyncio.Event())
+
+        async def run(inp: t.StepInput) -> t.StepOutput:
+            self.calls.append(("step", inp))
+            self.log.append(("start", "step", inp))
+            started.set()
+            run_ref = inp.rollout.run
+            batch = await play["generate"](inp.rollout)
+            scored = await play["score"](t.ScoreInput(run_ref, batch))
+            trained = await play["train"](t.TrainInput(run_ref, batch, inp.policy_version, kl_coef=inp.kl_coef))
+            synced = await play["sync_weights"](t.SyncInput(run_ref, trained.policy_version))
+            self.log.append(("end", "step", inp))
+            return t.StepOutput(batch=batch, score=scored, trained=trained, synced=synced)
+
+        return activity.defn(name="step")(run)
 
     def _activity(self, name: str, answer: Callable[[Any], Any]):
         arg_type = {
@@ -95,6 +117,11 @@ class StandIns:
             "evaluate": t.EvalInput, "checkpoint": t.CheckpointInput, "record_step": t.StepRecord,
             "finish_run": t.FinishInput, "release_run": t.ReleaseInput,
         }[name]  # fmt: skip
+        run = self._play(name, answer)
+        run.__annotations__ = {"inp": arg_type, "return": Any}
+        return activity.defn(name=name)(run)
+
+    def _play(self, name: str, answer: Callable[[Any], Any]):
         started = self.started.setdefault(name, asyncio.Event())
 
         async def run(inp):
@@ -113,8 +140,7 @@ class StandIns:
             self.log.append(("end", name, inp))
             return out
 
-        run.__annotations__ = {"inp": arg_type, "return": Any}
-        return activity.defn(name=name)(run)
+        return run
 
 
 def plan(**overrides) -> t.LoopPlan:

@@ -345,8 +345,7 @@ def test_nan_reward_fails_the_run_in_its_first_step(platform, ray_driver, tmp_pa
     text = run_fails(handle)
     assert "[NonFiniteError]" in text and "the reward function gave nan at batch 0, row" in text
     assert "data_source 'digits/copy'" in text
-    assert attempts(handle, "score") == [1], "never retried"
-    assert attempts(handle, "train") == []
+    assert attempts(handle, "step") == [1], "never retried"  # sync mode: the step activity scores, then trains
     run_store = ObjectStore(str(platform.runs_root / handle.run_id))
     assert CheckpointStore(run_store).list() == [] and not run_store.exists("train_log/v00000000.json")
     wait_until(lambda: handle.run_id not in run_actor_names(), timeout=60)
@@ -358,7 +357,7 @@ def test_reward_function_that_raises_fails_after_one_attempt(platform, ray_drive
     text = run_fails(handle)
     assert "[RewardFunctionError]" in text and "raised KeyError: 'missing' at batch 0, row 0" in text
     assert "bad_reward.py:5 (compute_score)" in text
-    assert attempts(handle, "score") == [1]
+    assert attempts(handle, "step") == [1]
 
 
 def test_hung_reward_is_cut_at_reward_timeout_and_replaced(platform, ray_driver, tmp_path):
@@ -375,7 +374,7 @@ def test_hung_reward_is_cut_at_reward_timeout_and_replaced(platform, ray_driver,
     deadline, failure = time.monotonic() + 300, ""
     while time.monotonic() < deadline:
         pending = platform.client._run(temporal.describe()).raw_description.pending_activities
-        score = [p for p in pending if p.activity_type.name == "score"]
+        score = [p for p in pending if p.activity_type.name == "step"]  # sync mode scores inside its step
         if score and score[0].attempt >= 2 and pids.exists() and len(set(pids.read_text().split())) >= 2:
             failure = score[0].last_failure.message
             break

@@ -91,7 +91,7 @@ def test_unknown_key_in_yaml(setup: Setup) -> None:
         load_config(setup.yaml)
     message = issues_of(excinfo)["trainer.learning_rate"]
     assert "unknown key 'trainer.learning_rate'" in message
-    assert "valid keys of trainer: betas, grad_clip, lr," in message
+    assert "valid keys of trainer: activation_checkpointing, betas, device, grad_clip, lr," in message
 
 
 def test_unknown_key_override_suggests_close_match(setup: Setup) -> None:

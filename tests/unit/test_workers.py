@@ -7,6 +7,7 @@ import json
 import math
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from ratchet.workers.batch import RolloutBatch, ScoredStep, load_scores, save_sc
 from ratchet.workers.engines import HFEngine, SamplingParams
 from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_logprobs
 from ratchet.workers.prompts import PromptSet
-from ratchet.workers.rollout_batching import generate_batch, prompt_indices
+from ratchet.workers.rollout_batching import generate_batch, prompt_indices, prompt_seeds
 from ratchet.workers.scoring import score_batch
 from ..configs import make_cfg
 
@@ -218,7 +219,9 @@ def test_generate_batch_shapes_masks_and_versions(engine, ragged_prompts):
     indices = [by_length[n] for n in sorted(by_length)[:3]]  # three different prompt lengths
     params = SamplingParams(n=4, max_new_tokens=6, seed=3)
     batch = generate_batch(engine, ragged_prompts, indices, params, policy_version=3, pad_id=PAD)
-    groups = engine.generate([ragged_prompts.token_ids[i] for i in indices], params)
+    # generate_batch seeds each prompt by its position in the batch (rollout_batching.prompt_seeds).
+    seeded = replace(params, prompt_seeds=prompt_seeds(params.seed, 0, len(indices)))
+    groups = engine.generate([ragged_prompts.token_ids[i] for i in indices], seeded)
     gens = [g for grp in groups for g in grp]
     b = 12
     prompt_w = max(len(ragged_prompts.token_ids[i]) for i in indices)

@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 
 import ray
 
+from functools import cached_property
+
+from ratchet.config.placement_plan import PlacementPlan, plan_placement
 from ratchet.config.schema import RunConfig
 from ratchet.errors import RewardTimeout, WorkerLost
 from ratchet.storage import ObjectStore, RunLayout
 
 from ..critic import CriticWorker
-from ..results import ScoreResult
+from ..results import GenerateResult, ScoreResult
 from ..reward import RewardWorker
 from ..rollout import RolloutWorker
 from ..trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
@@ -50,14 +53,23 @@ class RunActors:
         """The live actor `role`-`rank` of this run, or None."""
         return find_named(self.name(role, rank))
 
+    @cached_property
+    def plan(self) -> PlacementPlan:
+        """Which pool and bundle each actor takes (no pools: the whole cluster, as before)."""
+        return plan_placement(self.cfg)
+
     def _create(self, cls, role: str, rank: int, num_cpus: float, *args, concurrency: int = 1, groups: dict | None = None):
+        where = self.plan.slot(role, rank)
+        slot = (where, next(p for p in self.plan.pools if p.name == where.pool)) if where is not None else None
         return placement.create_actor(
-            self.run_id, self.cfg, self.waiter, cls, role, rank, num_cpus, *args, concurrency=concurrency, groups=groups
-        )
+            self.run_id, self.cfg, self.waiter, cls, role, rank, num_cpus, *args, concurrency=concurrency, groups=groups,
+            slot=slot,
+        )  # fmt: skip
 
     def check_resources(self, settle_s: float = placement.RESOURCE_SETTLE_S) -> None:
-        """ResourcesUnavailable at once when the CPUs the run needs are not free."""
-        placement.check_resources(self.run_id, self.cfg, self.waiter, settle_s)
+        """ResourcesUnavailable at once when the CPUs the run needs are not free (with
+        resource pools: reserve them, or refuse pools the cluster cannot hold)."""
+        placement.check_resources(self.run_id, self.cfg, self.waiter, settle_s, plan=self.plan)
 
     def initial_policy(self) -> str:
         """The weights RL starts from: the warmed-up model if the run has a warm-up."""
@@ -135,40 +147,111 @@ class RunActors:
 
     # -- rollout and reward --------------------------------------------------------------
 
-    def start_rollout(self, policy_path: str):
+    def start_rollout(self, policy_path: str, rank: int = 0):
+        """Rollout replica `rank` (rollout-<rank>; one replica: rollout-0, as always)."""
         # Partial rollouts: a weight sync is received while a generation runs (a second thread).
         concurrency = 2 if self.cfg.uses_partial_rollouts else 1
         return self._create(
-            RolloutWorker, Role.ROLLOUT, 0, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri,
+            RolloutWorker, Role.ROLLOUT, rank, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri,
             concurrency=concurrency,
         )  # fmt: skip
+
+    def start_rollouts(self, policy_path: str) -> list:
+        """Every rollout replica (rollout.replicas of them)."""
+        return [self.start_rollout(policy_path, rank) for rank in range(self.cfg.rollout.replicas)]
 
     def start_reward(self, policy_path: str):
         return self._create(RewardWorker, Role.REWARD, 0, self.cfg.resources.reward_cpus, self.cfg, policy_path, self.run_uri)
 
     def rollout(self, expected_version: int, *, exact: bool = False):
-        """The rollout worker at `expected_version` or newer (a sync may land before the
+        """Rollout replica 0 at `expected_version` or newer (a sync may land before the
         workflow hears of it), or with `exact` at that version only; recreated and synced
-        if it was lost."""
-        actor = self.find(Role.ROLLOUT)
+        if it was lost (evaluation; batches go through `generate`)."""
+        return self.rollouts(expected_version, exact=exact, ranks=[0])[0]
+
+    def rollouts(self, expected_version: int | None = None, *, exact: bool = False, ranks: list[int] | None = None) -> list:
+        """The live rollout replicas (all rollout.replicas of them, or `ranks`), a lost one
+        recreated. With `expected_version`, each brought to that version or newer (with
+        `exact`: that version) as `rollout` does; without, as they are: a recreated one
+        serves the initial policy until weights are loaded into it (what a weight sync does:
+        `sync_weights` loads every replica this returns). Colocated: woken up first."""
+        ranks = list(range(self.cfg.rollout.replicas)) if ranks is None else ranks
+        actors = [self._live_replica(r) for r in ranks]
+        probes = [a.policy_version.remote() for a in actors]
+        held = []
+        for i, rank in enumerate(ranks):
+            try:
+                held.append(self.wait(probes[i]))
+            except ray.exceptions.RayActorError:
+                # Killed just now: its name may still answer, its process does not.
+                log.warning("run %s: rollout replica %d died; recreating it", self.run_id, rank)
+                kill_named([self.name(Role.ROLLOUT, rank)])
+                actors[i] = self.start_rollout(self.initial_policy(), rank)
+                held.append(self.wait(actors[i].policy_version.remote()))
+        if self.plan.colocated:
+            self.wait([a.wake_up.remote() for a in actors])
+        if expected_version is not None:
+            self._bring_to(actors, held, expected_version, exact)
+        return actors
+
+    def sleep_rollouts(self) -> None:
+        """Colocated: the engines release their device memory for the trainer (nothing on
+        CPU, nothing when split); `rollouts` wakes them up again."""
+        if self.plan.colocated:
+            found = [self.find(Role.ROLLOUT, r) for r in range(self.cfg.rollout.replicas)]
+            self.wait([a.sleep.remote() for a in found if a is not None])
+
+    def generate(
+        self, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, *, part: int = 0, exact: bool = False
+    ) -> GenerateResult:
+        """Generate and store rollout part `part` of batch `batch_index` on the rollout
+        replicas (rollout_pool.py: split by load, whole groups per replica, a lost replica's
+        share redone): the batch one replica would have stored."""
+        from .rollout_pool import RolloutPool
+
+        return RolloutPool(self).generate(batch_index, prompt_start, prompt_count, policy_version, part=part, exact=exact)
+
+    def generate_shares(
+        self, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, *, part: int = 0, exact: bool = False
+    ) -> list:
+        """The batch generated over the replicas but not stored: ObjectRefs of its
+        `RolloutShare`s in batch order (hand them on in memory; `RolloutBatch.concat` of
+        their batches is the batch `generate` would store). Colocated: call
+        `sleep_rollouts` before the trainer runs."""
+        from .rollout_pool import RolloutPool
+
+        return RolloutPool(self).generate_shares(batch_index, prompt_start, prompt_count, policy_version, part=part, exact=exact)
+
+    def _live_replica(self, rank: int):
+        actor = self.find(Role.ROLLOUT, rank)
         if actor is None:
-            log.warning("run %s: rollout worker lost; recreating it", self.run_id)
-            actor = self.start_rollout(self.initial_policy())
-        held = self.wait(actor.policy_version.remote())
-        if exact and held != expected_version:
+            log.warning("run %s: rollout replica %d lost; recreating it", self.run_id, rank)
+            actor = self.start_rollout(self.initial_policy(), rank)
+        return actor
+
+    def _bring_to(self, actors: list, held: list[int], expected_version: int, exact: bool) -> None:
+        """Load the replicas `actors` (holding `held`) with v`expected_version` (exact) or
+        newer; the trainer's weights are gathered once for all that need them."""
+        from ..weight_sync.ray_transport import stream_sync
+
+        if exact:
             # A deterministic run: the version its schedule names, from the policy log, or
             # from the trainer if it holds that version now.
-            if not self.wait(actor.serve_logged.remote(expected_version)):
-                pushed = self._push_weights(self.trainers(expected_version, at_least=True), actor)[1]
+            stale = [a for a, v in zip(actors, held) if v != expected_version]
+            logged = self.wait([a.serve_logged.remote(expected_version) for a in stale]) if stale else []
+            stale = [a for a, ok in zip(stale, logged) if not ok]
+            if stale:
+                pushed = stream_sync(self.trainers(expected_version, at_least=True), stale, self.wait).version
                 if pushed != expected_version:
                     raise WorkerLost(
                         f"run {self.run_id}: policy v{expected_version} is not in the policy log and the trainer holds v{pushed}"
                     )
-        elif held < expected_version:
-            # A recreated worker serves v0: bring it to what the trainer holds now, which in
-            # fully_async may be newer than this batch asked for (the batch records it).
-            self._push_weights(self.trainers(expected_version, at_least=True), actor)
-        return actor
+            return
+        # A recreated replica serves v0: bring it to what the trainer holds now, which in
+        # fully_async may be newer than this batch asked for (the batch records it).
+        stale = [a for a, v in zip(actors, held) if v < expected_version]
+        if stale:
+            stream_sync(self.trainers(expected_version, at_least=True), stale, self.wait)
 
     def start_critic(self):
         return self._create(CriticWorker, Role.CRITIC, 0, self.cfg.resources.critic_cpus, self.cfg, self.run_uri)
@@ -201,10 +284,18 @@ class RunActors:
     def score(self, batch_index: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
         """Score a stored batch within `reward.timeout_s`; past it, the reward worker is
         killed (the next attempt makes a fresh one) and RewardTimeout is raised."""
+        return self._within_reward_timeout(lambda actor: actor.score.remote(batch_index, kind, part), batch_index, kind)
+
+    def score_shares(self, batch_index: int, shares: list):
+        """Score a batch handed over in memory (RolloutShare ObjectRefs; sync mode's `step`
+        activity) as `score` does a stored one; returns the reward worker's StepScores."""
+        return self._within_reward_timeout(lambda actor: actor.score_shares.remote(batch_index, *shares), batch_index, RunLayout.BATCHES)
+
+    def _within_reward_timeout(self, call, batch_index: int, kind: str):
         timeout_s = self.cfg.reward.timeout_s
         actor = self.reward()
         try:
-            return self.wait(actor.score.remote(batch_index, kind, part), timeout_s=timeout_s)
+            return self.wait(call(actor), timeout_s=timeout_s)
         except WaitTimeout:
             kill_named([self.name(Role.REWARD)])
             raise RewardTimeout(
@@ -213,15 +304,26 @@ class RunActors:
                 "raise reward.timeout_s"
             ) from None
 
-    def sync_weights(self, version: int) -> tuple[int, int]:
-        """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> the
-        rollout engine; returns (bytes moved, the version synced)."""
-        target = self.find(Role.ROLLOUT) or self.start_rollout(self.initial_policy())
+    def sync_weights(self, version: int) -> "SyncResult":
+        """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> every
+        rollout replica, streamed in buckets (weight_sync/ray_transport.py); returns what
+        was moved, and the version synced."""
+        from ..weight_sync.ray_transport import published_sync, stream_sync
+
+        # Every rollout replica, all to one version: the live ones, a lost one recreated
+        # (colocated engines woken up); one replica: [rollout-0].
+        targets = self.rollouts()
         if self.cfg.uses_partial_rollouts:
-            pushed = self._push_published(target, at_least=version)
-            if pushed is not None:
-                return pushed
-        return self._push_weights(self.trainers(version, at_least=True), target)
+            # A sync overlapping the next update: the buckets rank 0 published after its
+            # last one, read without queueing behind the update running now.
+            rank0 = self.find(Role.TRAINER, 0)
+            try:
+                published = self.wait(rank0.published_weights.remote()) if rank0 is not None else None
+            except ray.exceptions.RayError:
+                published = None
+            if published is not None and published[0] >= version:
+                return published_sync(published, targets, self.wait)
+        return stream_sync(self.trainers(version, at_least=True), targets, self.wait)
 
     def _push_published(self, target, at_least: int) -> tuple[int, int] | None:
         """fully_async with partial rollouts, where a sync overlaps the next update: the
