@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import ray
 
 from ratchet.config.schema import RunConfig
@@ -370,12 +369,6 @@ class TrainerWorker:
         self._last = None  # a retry cache of the replaced state must not answer for the new one
         self._published = None
         return self.trainer.version
-
-    def weights(self) -> dict[str, np.ndarray] | None:
-        """Full weights on rank 0 (every rank must call: unsharding is a collective)."""
-        state = self.trainer.state_numpy()
-        check_finite_weights(state, f"the weights of policy v{self.trainer.version} (to be synced)")
-        return state if self.rank == 0 else None
 
     def export(self, key: str) -> str | None:
         """Save the policy in Hugging Face format under the run folder, its manifest last

@@ -22,7 +22,6 @@ from ratchet.config.schema import RunConfig
 from ratchet.workers.weight_sync import (
     MB,
     BucketRelay,
-    MappingSource,
     SyncAborted,
     WeightNamesMismatch,
     local_source,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import ray
 
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from ratchet.config.placement_plan import PlacementPlan, plan_placement
 from ratchet.config.schema import RunConfig
@@ -29,6 +30,9 @@ from ..trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
 from . import placement
 from .names import Role, actor_name, find_named, kill_named, release_run_actors, run_actor_names
 from .waiting import PlainWaiter, Waiter, WaitTimeout
+
+if TYPE_CHECKING:
+    from ..weight_sync.ray_transport import SyncResult
 
 log = logging.getLogger(__name__)
 
@@ -324,39 +328,6 @@ class RunActors:
             if published is not None and published[0] >= version:
                 return published_sync(published, targets, self.wait)
         return stream_sync(self.trainers(version, at_least=True), targets, self.wait)
-
-    def _push_published(self, target, at_least: int) -> tuple[int, int] | None:
-        """fully_async with partial rollouts, where a sync overlaps the next update: the
-        weights rank 0 published at the end of its last update, read without queueing
-        behind the update running now. None (use `_push_weights`) when there are none of
-        v`at_least` or newer, or the trainer is gone."""
-        rank0 = self.find(Role.TRAINER, 0)
-        if rank0 is None:
-            return None
-        try:
-            published = self.wait(rank0.published_weights.remote())
-        except ray.exceptions.RayError:
-            return None
-        if published is None or published[0] < at_least:
-            return None
-        version, ref = published
-        return self.wait(target.load_weights.remote(ref, version)), version
-
-    def _push_weights(self, ranks: list, target) -> tuple[int, int]:
-        """Through Ray's object store (never via this process: the ObjectRef is passed on and
-        resolved in the rollout actor). Returns (bytes moved, version)."""
-        while True:
-            # Calls from one caller run in order on an actor; an update from another caller
-            # may land between them, and then the versions before and after differ.
-            before = ranks[0].policy_version.remote()
-            refs = [a.weights.remote() for a in ranks]
-            after = ranks[0].policy_version.remote()
-            version, again = self.wait([before, after])
-            if version == again:
-                break
-        received = self.wait(target.load_weights.remote(refs[0], version))
-        self.wait(refs[1:])
-        return received, version
 
     def shutdown(self) -> list[str]:
         """Kill every actor of the run, whatever world size it had, and wait until their
