@@ -35,7 +35,7 @@ Issue = tuple[str, str]
 """(dotted field path, message). Problems that belong to no field use a parenthesised path,
 such as `(overrides)`, or the config file's path."""
 
-PREPARE_HINT = "run `ratchet prepare` to build the demo model and data"
+PREPARE_HINT = "run `ratchet prepare` to build the demo model and data (`ratchet prepare --model smollm2-135m` for SmolLM2-135M)"
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _LEADING_PATH = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)\b")
 

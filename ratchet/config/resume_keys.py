@@ -32,6 +32,7 @@ RESUMABLE: dict[str, str] = {
     "loop.continue_as_new_every": "only how long a workflow history grows",
     "checkpoint.*": "when checkpoints are written and which are kept; those written stay readable",
     "resources.*": "the actors are rebuilt on a resume with the new reservations",
+    "rollout.replicas": "how many engines share a batch; a batch is the same however it is split (seeds per prompt)",
     "reward.timeout_s": "a time limit per reward call, read on each call",
     "tracking.tags": "labels only",
 }

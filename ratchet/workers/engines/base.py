@@ -67,6 +67,10 @@ class Engine(Protocol):
         `version`, or with the version `weight_swap` reports from the step it swapped on."""
         ...
 
+    # Optional, for colocated placement (docs/placement.md): `sleep()` frees the device for
+    # the trainer (vLLM sleep mode, SGLang release_memory_occupation) and `wake_up()` takes
+    # it back. An engine without them (HF) simply keeps its memory; RolloutWorker checks.
+
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         """Replace the engine's weights with the trainer's: (name, array) pairs named as in
         the Hugging Face model, consumed one at a time. The pairs may come from a stream
