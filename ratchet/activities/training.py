@@ -111,10 +111,16 @@ def generate(inp: t.RolloutInput) -> t.BatchRef:
     actors = actors_for(inp.run)
     # Over the rollout replicas (workers/actors/rollout_pool.py); one replica: as before.
     out = actors.generate(inp.batch_index, inp.prompt_start, inp.prompt_count, inp.policy_version, part=inp.part, exact=inp.exact_version)
+    return _batch_ref(inp, out.uri, out)
+
+
+def _batch_ref(inp: t.RolloutInput, uri: str, out) -> t.BatchRef:
+    """The stored batch `inp` asked for, as the workflow sees it; `out` (a GenerateResult
+    or the trainer's HandedSummary) says what was generated."""
     return t.BatchRef(
         run_id=inp.run.run_id,
         index=inp.batch_index,
-        uri=out.uri,
+        uri=uri,
         num_prompts=inp.prompt_count,
         num_samples=out.num_samples,
         num_response_tokens=out.num_response_tokens,
@@ -204,19 +210,7 @@ def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.
     trained, summary = wait([a.train_handed.remote(ro.batch_index, version, inp.kl_coef, scores, *shares) for a in ranks])[0]
     seconds = time.perf_counter() - t0
     run_store = ObjectStore(ro.run.run_uri)
-    batch = t.BatchRef(
-        run_id=ro.run.run_id,
-        index=ro.batch_index,
-        uri=run_store.uri(BatchStore(run_store).key(ro.batch_index, Parts.ROLLOUT)),
-        num_prompts=ro.prompt_count,
-        num_samples=summary.num_samples,
-        num_response_tokens=summary.num_response_tokens,
-        policy_version=summary.policy_version,
-        part=ro.part,
-        prompt_start=ro.prompt_start,
-        generate_seconds=summary.generate_seconds,
-        response_length_mean=summary.response_length_mean,
-    )
+    batch = _batch_ref(ro, run_store.uri(BatchStore(run_store).key(ro.batch_index, Parts.ROLLOUT)), summary)
     s = summary.score
     scored = t.ScoreOutput(reward_mean=s.reward_mean, reward_std=s.reward_std, seconds=s.seconds, informative_groups=s.informative_groups)
     return batch, scored, t.TrainOutput(policy_version=trained.policy_version, metrics=dict(trained.metrics), seconds=seconds, kl_coef=trained.kl_coef)

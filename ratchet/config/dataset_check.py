@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ratchet.data.files import DatasetFileError, read_dataset
-from ratchet.data.prompt_format import encode_prompts, prompt_problem, resolve_prompt_format
+from ratchet.data.prompt_format import describe_kind, encode_prompts, prompt_problem, resolve_prompt_format
 
 if TYPE_CHECKING:
     from ratchet.config.schema import RunConfig
@@ -235,20 +235,20 @@ def check_row(cfg: RunConfig, row: dict[str, Any], index: int, problems: RowProb
     if problem is not None:
         problems.add(index, f"{key} {problem}")
     if "data_source" in row and not (isinstance(row["data_source"], str) and row["data_source"]):
-        problems.add(index, f"data_source must be a non-empty string (the task name the reward function reads), got {_kind(row['data_source'])}")
+        problems.add(index, f"data_source must be a non-empty string (the task name the reward function reads), got {describe_kind(row['data_source'])}")
     if "reward_model" in row:
         spec = row["reward_model"]
         if not isinstance(spec, dict):
-            problems.add(index, f"reward_model must be a mapping {{ground_truth: str, style?}}, got {_kind(spec)}")
+            problems.add(index, f"reward_model must be a mapping {{ground_truth: str, style?}}, got {describe_kind(spec)}")
         elif not isinstance(spec.get("ground_truth"), str):
             problems.add(
                 index,
-                f"reward_model.ground_truth must be a string, got {_kind(spec.get('ground_truth'))}; "
+                f"reward_model.ground_truth must be a string, got {describe_kind(spec.get('ground_truth'))}; "
                 "store answers as text (e.g. '42', not 42)",
             )
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, dict):
-        problems.add(index, f"extra_info must be a mapping or null, got {_kind(extra)}")
+        problems.add(index, f"extra_info must be a mapping or null, got {describe_kind(extra)}")
 
 
 def check_prompt_lengths(
@@ -281,14 +281,6 @@ def check_prompt_lengths(
                 f"prompt is longer than data.max_prompt_length={limit} tokens {how} (the longest has "
                 f"{longest}); raise data.max_prompt_length or drop these rows",
             )
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "nothing (null)"
-    name = type(value).__name__
-    article = "an" if name[:1] in "aeiou" else "a"
-    return f"{article} {name}"
 
 
 def _first_line(exc: BaseException) -> str:

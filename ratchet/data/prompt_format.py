@@ -46,22 +46,22 @@ def prompt_problem(prompt: Any, fmt: Resolved, setting: str = "auto") -> str | N
         if isinstance(prompt, list) and setting == "raw":
             return f"is {MESSAGES}, which needs the chat template; set data.prompt_format=chat (or auto), or give plain strings"
         other = " (the dataset's first prompt is a string)" if setting == "auto" else ""
-        return f"must be a string{other}, got {_kind(prompt)}"
+        return f"must be a string{other}, got {describe_kind(prompt)}"
     if isinstance(prompt, str):
         if setting == "chat":
             return None if prompt else "must be a non-empty string or messages, got an empty string"
         return f"must be {MESSAGES} (the dataset's first prompt is one), got a str; use one format for every row"
     expected = f"must be {MESSAGES}"
     if not isinstance(prompt, list):
-        return f"{expected}, got {_kind(prompt)}"
+        return f"{expected}, got {describe_kind(prompt)}"
     if not prompt:
         return f"{expected}, got an empty list"
     for i, message in enumerate(prompt):
         if not isinstance(message, dict):
-            return f"{expected}, but message {i} is {_kind(message)}"
+            return f"{expected}, but message {i} is {describe_kind(message)}"
         for part in ("role", "content"):
             if not isinstance(message.get(part), str):
-                return f"{expected}, but message {i} has {_kind(message.get(part))} as its {part}"
+                return f"{expected}, but message {i} has {describe_kind(message.get(part))} as its {part}"
     return None
 
 
@@ -83,7 +83,8 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Any], fmt: Resolved) -> lis
     return [list(i) for i in ids]
 
 
-def _kind(value: Any) -> str:
+def describe_kind(value: Any) -> str:
+    """'a str', 'an int', 'nothing (null)': a value's type for an error message."""
     if value is None:
         return "nothing (null)"
     name = type(value).__name__
