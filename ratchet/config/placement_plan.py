@@ -101,12 +101,15 @@ def rollout_devices(cfg: RunConfig) -> int:
 
 
 def placement_problems(cfg: RunConfig) -> list[Problem]:
-    """Everything wrong with `resources.pools` for this config (empty: it can be placed)."""
+    """Everything wrong with `resources.pools` for this config, and with a forced
+    `trainer.sync_transport` it cannot carry (empty: it can be placed)."""
     try:
-        plan_placement(cfg)
+        plan = plan_placement(cfg)
     except PlacementProblem as exc:
         return exc.problems
-    return []
+    from .sync_transport import transport_problems  # imports this module
+
+    return transport_problems(plan, cfg)
 
 
 def plan_placement(cfg: RunConfig) -> PlacementPlan:

@@ -274,6 +274,12 @@ class TrainerConfig(Section):
     sync_bucket_mb: float = Field(
         128.0, gt=0, description="Weight sync: most megabytes of weights gathered and sent in one bucket (the sync's extra memory is about one or two buckets); a larger tensor goes alone."
     )
+    sync_transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = Field(
+        "auto",
+        description="How a weight sync moves the buckets (docs/weight_sync.md): object_store (Ray's, always works), "
+        "cuda_ipc (trainer and rollout colocated on one GPU pool), nccl (separate GPU pools), or auto: chosen from "
+        "resources.pools. A forced one the placement cannot carry is refused at submit.",
+    )
     world_size: int = Field(1, ge=1, description="Trainer ranks; above 1 the policy is sharded with FSDP2 (gloo on CPU).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",

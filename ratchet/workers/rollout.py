@@ -207,6 +207,43 @@ class RolloutWorker:
                 self._load(source, version, record=self.cfg.deterministic)
         return int(source.nbytes)
 
+    # -- weight sync on the GPUs (weight_sync/device_sync.py): the sources these build
+    # pull from the trainer through Ray, the bytes come by IPC handle or broadcast
+
+    _engine_group = None  # this replica's membership of the engine group (device_sync.EngineGroup)
+
+    def load_weights_ipc(self, rank, sync_id: str, consumer: int) -> int:
+        """`load_weights` from the trainer rank on this GPU, by CUDA IPC handles (receiver
+        `consumer` of that rank); returns the bytes received."""
+        import torch
+
+        from .weight_sync.device_sync import IpcSource
+
+        device_index = torch.cuda.current_device() if torch.cuda.is_available() else None
+        return self.load_weights(IpcSource(rank, sync_id, consumer, device_index=device_index))
+
+    def load_weights_nccl(self, rank0, sync_id: str, consumer: int) -> int:
+        """`load_weights` broadcast by trainer rank 0 into the engine group (this replica:
+        receiver `consumer`, group rank consumer + 1); returns the bytes received."""
+        from .weight_sync.device_sync import NcclSource
+
+        if self._engine_group is None:
+            raise RuntimeError("this rollout replica is in no engine group: the driver forms it first (ensure_engine_group)")
+        return self.load_weights(NcclSource(rank0, sync_id, consumer, self._engine_group))
+
+    def engine_group_key(self) -> str | None:
+        return self._engine_group.key if self._engine_group is not None else None
+
+    def join_engine_group(self, key: str, host: str, port: int, rank: int, world_size: int) -> str:
+        """Join the engine group for membership `key` as member `rank` (>= 1); an older one is dropped."""
+        from .weight_sync.device_sync import join_engine_group
+
+        if rank < 1:
+            raise ValueError(f"engine group rank 0 is trainer rank 0; a rollout replica joins as 1 or more, not {rank}")
+        self._engine_group = None
+        self._engine_group = join_engine_group(key, host, port, rank, world_size)
+        return key
+
     # -- deterministic runs: every version served is kept a while, to be served again ------
 
     def serve_logged(self, version: int) -> bool:

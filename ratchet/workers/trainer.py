@@ -185,6 +185,88 @@ class TrainerWorker:
     def sync_abort(self, sync_id: str, reason: str) -> None:
         self._relays.get(sync_id, timeout_s=0).fail(reason)
 
+    # -- weight sync on the GPUs: CUDA IPC (colocated), NCCL broadcast (split) -----------
+    # (weight_sync/device_sync.py; the driver picks by placement: config/sync_transport.py)
+
+    _engine_group = None  # rank 0: its membership of the engine group (device_sync.EngineGroup)
+
+    def _sync_device(self):
+        return next(self.trainer.model.parameters()).device
+
+    def _device_sync(self, sync_id: str, relay: BucketRelay | None, send) -> StreamReport:
+        """Plan, check finiteness, then `send(entries, manifest)` -> (bytes, failure): the
+        frame of both device transports, as `stream_weights` is of the object store's."""
+        t0 = time.perf_counter()
+        if relay is not None:
+            self._relays.open(sync_id, relay)
+        try:
+            entries, manifest = self._sync_plan()
+            check_finite_shards(entries, f"the weights of policy v{self.trainer.version} (to be synced)", self.world_size)
+        except Exception as e:
+            if relay is not None:
+                relay.fail(f"{type(e).__name__}: {e}")
+            raise
+        if relay is not None:
+            relay.start(manifest)
+        sent, failure = send(entries, manifest)
+        if failure is not None:
+            raise failure
+        return StreamReport(
+            version=manifest.version, bytes=sent, buckets=len(manifest.buckets), seconds=time.perf_counter() - t0,
+            window_peak=relay.peak_stored if relay is not None else 0,
+        )
+
+    def stream_weights_ipc(self, sync_id: str, consumers: int) -> StreamReport:
+        """CUDA IPC: gather the weights bucket by bucket (every rank); a rank serving
+        `consumers` replicas on its GPU packs each bucket flat there and hands them its
+        handle (`sync_take_shared`), at most IPC_WINDOW buckets ahead of the slowest."""
+        from .weight_sync.device_sync import IPC_WINDOW, gather_and_share, share_gathered
+
+        relay = None
+        if consumers > 0:
+            device = self._sync_device()
+            relay = BucketRelay(consumers, window=IPC_WINDOW, put=lambda g: share_gathered(g, device), timeout_s=STREAM_TIMEOUT_S)
+        return self._device_sync(sync_id, relay, lambda entries, manifest: gather_and_share(entries, manifest, relay))
+
+    @ray.method(concurrency_group=SYNC_GROUP)
+    def sync_take_shared(self, sync_id: str, consumer: int, index: int):
+        """The IPC handle of bucket `index` (None past the last); the receiver is done with
+        the ones before it (its acknowledgement: the rank may free them)."""
+        stored = self._relays.get(sync_id).take(consumer, index)
+        return None if stored is None else stored.wire()
+
+    def broadcast_weights(self, sync_id: str, consumers: int) -> StreamReport:
+        """NCCL: gather the weights bucket by bucket (every rank); rank 0 broadcasts each
+        into the engine group once all `consumers` replicas are ready for it."""
+        from .weight_sync.device_sync import BROADCAST_WINDOW, gather_and_broadcast
+
+        relay, group, device = None, None, None
+        if self.rank == 0:
+            relay = BucketRelay(consumers, window=BROADCAST_WINDOW, put=lambda g: g.index, timeout_s=STREAM_TIMEOUT_S)
+            if self._engine_group is not None:
+                group, device = self._engine_group.group, self._engine_group.device
+        return self._device_sync(sync_id, relay, lambda entries, manifest: gather_and_broadcast(entries, manifest, relay, group, device))
+
+    def engine_group_key(self) -> str | None:
+        """The membership this rank's engine group was made for (None: none)."""
+        return self._engine_group.key if self._engine_group is not None else None
+
+    def engine_group_address(self) -> tuple[str, int]:
+        """(host, port) for the engine group's TCPStore, which rank 0 hosts on its node."""
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return host, free_port()
+
+    def join_engine_group(self, key: str, host: str, port: int, rank: int, world_size: int) -> str:
+        """Rank 0 joins (hosts) the engine group for membership `key`; an older group is
+        dropped (a member was recreated)."""
+        from .weight_sync.device_sync import join_engine_group
+
+        if self.rank != 0 or rank != 0:
+            raise ValueError(f"only trainer rank 0 is member 0 of the engine group (this is rank {self.rank}, asked to be {rank})")
+        self._engine_group = None
+        self._engine_group = join_engine_group(key, host, port, 0, world_size)
+        return key
+
     def train(
         self, batch_index: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None,
         data: ScoredStep | None = None,

@@ -78,6 +78,11 @@ def trainer_logprobs(worker) -> np.ndarray:
     return logprobs(worker.trainer.model)  # every rank: an FSDP forward is a collective
 
 
+def full_weights(worker) -> dict[str, np.ndarray]:
+    """The trainer's unsharded weights (every rank calls: a collective)."""
+    return {k: v.float().numpy().copy() for k, v in worker.trainer.full_state().items()}
+
+
 def engine_view(worker) -> tuple[dict, np.ndarray, int]:
     return {k: v.numpy().copy() for k, v in worker.engine.model.state_dict().items()}, logprobs(worker.engine.model), worker.version
 
@@ -87,7 +92,7 @@ def test_sync_streams_two_fsdp2_ranks_into_the_rollout_engine(run):
 
     actors, ranks, rollouts = run
     out = actors.sync_weights(0)
-    full = ray.get([r.weights.remote() for r in ranks])[0]
+    full = ray.get([r.__ray_call__.remote(full_weights) for r in ranks])[0]
     assert out.version == 0 and out.replicas == 1 and out.transport == "stream"
     assert out.bytes == sum(v.nbytes for k, v in full.items() if k != "lm_head.weight")
     assert out.buckets > 3  # bounded buckets, not one model-sized buffer
@@ -108,7 +113,7 @@ def test_one_gather_fans_out_to_every_replica_and_nan_is_refused_first(run):
     ray.get([r.__ray_call__.remote(perturb, 8) for r in ranks])
     out = stream_sync(ranks, rollouts, actors.wait)
     assert out.replicas == 2 and out.bytes == 2 * (out.bytes // 2)
-    full = ray.get([r.weights.remote() for r in ranks])[0]
+    full = ray.get([r.__ray_call__.remote(full_weights) for r in ranks])[0]
     views = ray.get([r.__ray_call__.remote(engine_view) for r in rollouts])
     for state, _, _ in views:
         assert all(np.array_equal(state[k], full[k]) for k in full)

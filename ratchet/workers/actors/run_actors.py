@@ -310,8 +310,11 @@ class RunActors:
 
     def sync_weights(self, version: int) -> "SyncResult":
         """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> every
-        rollout replica, streamed in buckets (weight_sync/ray_transport.py); returns what
-        was moved, and the version synced."""
+        rollout replica, in buckets, by the transport the placement allows
+        (config/sync_transport.py: Ray's object store, CUDA IPC when colocated on GPUs, NCCL
+        when split on GPUs); returns what was moved, how, and the version synced."""
+        from ratchet.config.sync_transport import Transport, choose_transport, ipc_partners
+
         from ..weight_sync.ray_transport import published_sync, stream_sync
 
         # Every rollout replica, all to one version: the live ones, a lost one recreated
@@ -327,7 +330,17 @@ class RunActors:
                 published = None
             if published is not None and published[0] >= version:
                 return published_sync(published, targets, self.wait)
-        return stream_sync(self.trainers(version, at_least=True), targets, self.wait)
+        ranks = self.trainers(version, at_least=True)
+        transport = choose_transport(self.plan, self.cfg)
+        if transport is Transport.CUDA_IPC:
+            from ..weight_sync.device_sync import ipc_sync
+
+            return ipc_sync(ranks, targets, ipc_partners(self.plan, self.cfg), self.wait)
+        if transport is Transport.NCCL:
+            from ..weight_sync.device_sync import nccl_sync
+
+            return nccl_sync(ranks, targets, self.wait)
+        return stream_sync(ranks, targets, self.wait)
 
     def shutdown(self) -> list[str]:
         """Kill every actor of the run, whatever world size it had, and wait until their

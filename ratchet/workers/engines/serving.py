@@ -92,9 +92,11 @@ class WeightNames:
 def torch_weights(
     weights: Iterable[tuple[str, "np.ndarray"]], dtype: "torch.dtype", names: WeightNames, seen: set[str], unexpected: list[str]
 ) -> Iterator[tuple[str, "torch.Tensor"]]:
-    """The (name, array) pairs as CPU tensors in `dtype`, one at a time (a bucket stream is
-    never held whole); names the model does not have are recorded in `unexpected` and
-    withheld from the engine, which would otherwise fail deep inside its loader."""
+    """The (name, array) pairs as tensors in `dtype`, one at a time (a bucket stream is
+    never held whole): numpy arrays (the object store) as CPU tensors, torch tensors (CUDA
+    IPC, NCCL: views into a bucket on the GPU) where they are; names the model does not
+    have are recorded in `unexpected` and withheld from the engine, which would otherwise
+    fail deep inside its loader."""
     import numpy as np
     import torch
 
@@ -104,10 +106,13 @@ def torch_weights(
         if name not in names.expected and name not in names.optional:
             unexpected.append(name)
             continue
-        with warnings.catch_warnings():
-            # Arrays from Ray's object store are read-only; the engine copies, never writes.
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.from_numpy(np.asarray(array))
+        if isinstance(array, torch.Tensor):
+            tensor = array
+        else:
+            with warnings.catch_warnings():
+                # Arrays from Ray's object store are read-only; the engine copies, never writes.
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.from_numpy(np.asarray(array))
         seen.add(name)
         tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
         if tied and name.endswith("embed_tokens.weight"):

@@ -165,7 +165,10 @@ def to_wire(tensor: torch.Tensor, spec: TensorSpec) -> np.ndarray:
 
 def decode(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
     """A wire array as the engine contract takes it: a numpy array, bfloat16 widened to
-    float32 (exact)."""
+    float32 (exact). A torch tensor (the device transports' views into a flat bucket on
+    the GPU) goes on as it is: the engines take device tensors too."""
+    if isinstance(array, torch.Tensor):
+        return array
     if spec.dtype == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(array)).view(torch.bfloat16).float().numpy()
     return array

@@ -60,7 +60,7 @@ class SyncResult:
     bytes: int  # wire bytes loaded, summed over replicas
     buckets: int
     replicas: int
-    transport: str  # "stream" (gathered now) or "published" (put after the last update)
+    transport: str  # "stream" (gathered now), "published" (put after the last update); device_sync.py: "cuda_ipc", "nccl"
     window_peak: int = 0  # stream: the most buckets rank 0 held for the replicas at once
 
 

@@ -184,6 +184,10 @@ class SafetensorsWriter:
             for spec, array in zip(bucket.specs, bucket.arrays):
                 if spec.name != self._expected[self._written]:
                     raise ValueError(f"stream order: got {spec.name}, expected {self._expected[self._written]}")
+                if not isinstance(array, np.ndarray):  # a device transport's tensor: its bytes on the host
+                    from .buckets import to_wire
+
+                    array = to_wire(array, spec)
                 self._file.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
                 self._written += 1
             yield bucket

@@ -1,0 +1,345 @@
+"""The device transports wired through the actors: CUDA IPC handles (colocated) and an
+NCCL broadcast (split), each a sync the driver runs like ray_transport.stream_sync, with
+the same manifest-first name check, finiteness check and abort on either side.
+
+CUDA IPC, one sync (`ipc_sync`):
+  every trainer rank  stream_weights_ipc(sync_id, n): all gather each bucket (an
+                      all-gather: every rank then holds it whole); a rank with replicas
+                      on its GPU packs it flat on the GPU and shares it (reduce_tensor)
+  replica k           load_weights_ipc(its rank, sync_id, j): manifest, names checked;
+                      then for each bucket the handle (sync_take_shared), opened, loaded,
+                      and asking for the next one acknowledges it
+  The rank keeps a bucket until every replica it serves has acknowledged it, and gathers
+  at most WINDOW (2) ahead: the extra GPU memory is one or two flat buckets.
+
+NCCL, one sync (`nccl_sync`), in a group of trainer rank 0 and every replica made once per
+run (`ensure_engine_group`: a TCPStore on rank 0's node; made again when any member was
+recreated, which the group key, the members' actor ids, tells):
+  every trainer rank  broadcast_weights(sync_id, n): all gather; rank 0 waits until every
+                      replica is ready for bucket i (it asked for it through Ray), then
+                      broadcasts it flat from its GPU
+  replica k           load_weights_nccl(rank 0, sync_id, k): manifest through Ray, names
+                      checked; for each bucket: ready (sync_take), receive, load
+  A receiver that refuses or fails aborts the sync through Ray before rank 0 broadcasts
+  the next bucket, so no member is left waiting inside a collective.
+
+The same code runs on CPU with torch's stand-ins (shared memory for the IPC handles, gloo
+for NCCL): tests/unit/test_sync_transport.py drives it there through the actors' own
+methods.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import ray
+import torch
+
+from .buckets import Manifest, TensorSpec, WeightBucket, gather_tensors
+from .cuda_ipc import FlatLayout, flat_layout, flatten_bucket, open_shared, share, unflatten_bucket
+from .nccl import _from_rank0, bucket_layouts, init_engine_group
+from .ray_transport import STREAM_TIMEOUT_S, SyncResult
+from .relay import BucketRelay, SyncAborted
+from .sources import WeightSource
+
+# Buckets a rank shares ahead of the slowest replica it serves (IPC): gathering bucket i+1
+# overlaps the replica's load of bucket i.
+IPC_WINDOW = 2
+# NCCL: rank 0 broadcasts bucket i only when every replica asked for it.
+BROADCAST_WINDOW = 1
+
+
+def call(actor, method: str, *args, timeout_s: float = STREAM_TIMEOUT_S):
+    """`actor.method(*args)` through `.remote`: a Ray actor's ObjectRef, or a Future (the
+    in-process stand-in for a handle the tests use)."""
+    pending = getattr(actor, method).remote(*args)
+    if isinstance(pending, ray.ObjectRef):
+        return ray.get(pending, timeout=timeout_s)
+    return pending.result(timeout=timeout_s)
+
+
+def local_device() -> torch.device:
+    """The device this process syncs on: its current GPU, else the CPU (stand-in)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def group_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+# -- the trainer's side ----------------------------------------------------------------------
+
+
+@dataclass
+class GatheredBucket:
+    """Bucket `index` as gathered, on the trainer's device in the wire dtype."""
+
+    index: int
+    specs: tuple[TensorSpec, ...]
+    tensors: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class IpcBucket:
+    """What crosses to the replica: where each tensor lies in the flat bucket, and its handle."""
+
+    index: int
+    layout: FlatLayout
+    handle: object
+
+
+@dataclass
+class SharedBucket:
+    """A rank's flat bucket, kept alive (in the relay) until every replica it serves is past it."""
+
+    index: int
+    layout: FlatLayout
+    flat: torch.Tensor
+    handle: object
+
+    def wire(self) -> IpcBucket:
+        return IpcBucket(self.index, self.layout, self.handle)
+
+
+def share_gathered(bucket: GatheredBucket, device: torch.device) -> SharedBucket:
+    layout = flat_layout(bucket.specs)
+    flat = flatten_bucket(bucket.tensors, layout, device)
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()  # the bytes are there before the handle leaves
+    return SharedBucket(bucket.index, layout, flat, share(flat))
+
+
+def gather_and_share(entries: list, manifest: Manifest, relay: BucketRelay | None) -> tuple[int, Exception | None]:
+    """Every trainer rank gathers every bucket (collectives); a rank with a relay (replicas on
+    its GPU) offers each, shared in place (the relay's `put`). A failure stops the sharing,
+    not the gathering (the other ranks' collectives must complete); it is returned."""
+    sent, failure = 0, None
+    for index, (specs, tensors) in enumerate(gather_tensors(entries, manifest)):
+        if relay is not None and failure is None:
+            try:
+                relay.offer(GatheredBucket(index, specs, tensors))
+                sent += manifest.bucket_bytes(index)
+            except Exception as e:  # noqa: BLE001 - SyncAborted, or a CUDA error while packing
+                failure = e
+                relay.fail(f"{type(e).__name__}: {e}")
+        del tensors
+    return sent, failure
+
+
+def gather_and_broadcast(
+    entries: list, manifest: Manifest, relay: BucketRelay | None, group, device: torch.device
+) -> tuple[int, Exception | None]:
+    """Every trainer rank gathers every bucket; rank 0 (with `relay`) broadcasts each into
+    the engine group once every replica is ready for it. A failure stops the broadcasts
+    (the relay is failed, so the replicas stop asking) and is returned."""
+    sent, failure = 0, None
+    if relay is not None and group is None:
+        failure = SyncAborted("trainer rank 0 has no engine group: the driver must form it first (ensure_engine_group)")
+        relay.fail(str(failure))
+    for index, (specs, tensors) in enumerate(gather_tensors(entries, manifest)):
+        if relay is not None and failure is None:
+            try:
+                relay.offer(GatheredBucket(index, specs, []))  # returns when every replica asked for bucket `index`
+                layout = flat_layout(specs)
+                flat = flatten_bucket(tensors, layout, device)
+                group.broadcast([flat], _from_rank0()).wait()
+                sent += layout.nbytes
+                del flat
+            except Exception as e:  # noqa: BLE001 - SyncAborted, or the group failed
+                failure = e
+                relay.fail(f"{type(e).__name__}: {e}")
+        del tensors
+    return sent, failure
+
+
+@dataclass
+class EngineGroup:
+    """A member's handle on the run's engine group, and the key of the membership it was made for."""
+
+    key: str
+    rank: int
+    world_size: int
+    group: object
+    device: torch.device
+
+
+def join_engine_group(key: str, host: str, port: int, rank: int, world_size: int, *, timeout_s: float = STREAM_TIMEOUT_S) -> EngineGroup:
+    device = local_device()
+    group = init_engine_group(host, port, rank, world_size, backend=group_backend(device), timeout_s=timeout_s)
+    return EngineGroup(key=key, rank=rank, world_size=world_size, group=group, device=device)
+
+
+# -- a replica's side ------------------------------------------------------------------------
+
+
+class IpcSource(WeightSource):
+    """A replica's pull of one sync from the trainer rank on its GPU, by IPC handle."""
+
+    def __init__(self, rank, sync_id: str, consumer: int, *, device_index: int | None = None, timeout_s: float = STREAM_TIMEOUT_S):
+        self.rank, self.sync_id, self.consumer, self.device_index, self.timeout_s = rank, sync_id, consumer, device_index, timeout_s
+        self._manifest: Manifest | None = None
+        self._closed = False
+
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            self._manifest = call(self.rank, "sync_manifest", self.sync_id, timeout_s=self.timeout_s)
+        return self._manifest
+
+    def _buckets(self) -> Iterator[WeightBucket]:
+        finished = False
+        try:
+            for index in range(len(self.manifest().buckets) + 1):
+                # Asking for bucket i tells the rank this replica is done with i - 1.
+                wire = call(self.rank, "sync_take_shared", self.sync_id, self.consumer, index, timeout_s=self.timeout_s)
+                if wire is None:
+                    finished = True
+                    return
+                flat = open_shared(wire.handle, self.device_index)
+                yield WeightBucket(index=index, specs=wire.layout.specs, arrays=[t for _, t in unflatten_bucket(flat, wire.layout)])
+                if flat.is_cuda:
+                    torch.cuda.current_stream(flat.device).synchronize()  # the engine's copies read it before the ack
+                del flat
+        finally:
+            if not finished:
+                self.close("the receiver stopped before the last bucket")
+
+    def close(self, error: str | None = None) -> None:
+        if not self._closed:
+            self._closed = True
+            _tell_left(self.rank, self.sync_id, self.consumer, error)
+
+
+class NcclSource(WeightSource):
+    """A replica's receipt of one sync broadcast by trainer rank 0 into the engine group."""
+
+    def __init__(self, rank0, sync_id: str, consumer: int, group: EngineGroup, *, timeout_s: float = STREAM_TIMEOUT_S):
+        self.rank0, self.sync_id, self.consumer, self.group, self.timeout_s = rank0, sync_id, consumer, group, timeout_s
+        self._manifest: Manifest | None = None
+        self._closed = False
+
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            self._manifest = call(self.rank0, "sync_manifest", self.sync_id, timeout_s=self.timeout_s)
+        return self._manifest
+
+    def _buckets(self) -> Iterator[WeightBucket]:
+        layouts = bucket_layouts(self.manifest())
+        finished = False
+        try:
+            for index, layout in enumerate(layouts):
+                # Ready for bucket i (and done with i - 1): rank 0 broadcasts once every replica is.
+                call(self.rank0, "sync_take", self.sync_id, self.consumer, index, timeout_s=self.timeout_s)
+                flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.group.device)
+                self.group.group.broadcast([flat], _from_rank0()).wait()
+                yield WeightBucket(index=index, specs=layout.specs, arrays=[t for _, t in unflatten_bucket(flat, layout)])
+                del flat
+            call(self.rank0, "sync_take", self.sync_id, self.consumer, len(layouts), timeout_s=self.timeout_s)
+            finished = True
+        finally:
+            if not finished:
+                self.close("the receiver stopped before the last bucket")
+
+    def close(self, error: str | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if error is None:
+            _tell_left(self.rank0, self.sync_id, self.consumer, None)
+            return
+        # One member missing from a broadcast would hang the others: the whole sync stops.
+        try:
+            call(self.rank0, "sync_abort", self.sync_id, f"rollout replica {self.consumer}: {error}", timeout_s=30)
+        except Exception as e:  # noqa: BLE001 - the trainer may be gone; its relay times out then
+            import logging
+
+            logging.getLogger(__name__).warning("weight sync %s: could not abort on the trainer: %s", self.sync_id, e)
+
+
+def _tell_left(rank, sync_id: str, consumer: int, error: str | None) -> None:
+    try:
+        call(rank, "sync_leave", sync_id, consumer, error, timeout_s=30)
+    except Exception as e:  # noqa: BLE001 - the trainer may be gone; its relay times out then
+        import logging
+
+        logging.getLogger(__name__).warning("weight sync %s: could not tell the trainer receiver %d left: %s", sync_id, consumer, e)
+
+
+# -- the driver's side -----------------------------------------------------------------------
+
+
+def actor_key(actor) -> str:
+    """An actor's identity: a recreated actor (same name) has a new one."""
+    actor_id = getattr(actor, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else f"local-{id(actor)}"
+
+
+def ensure_engine_group(rank0, targets: list, wait: Callable) -> bool:
+    """The engine group of trainer rank 0 and `targets`, made (again) unless every member
+    already belongs to this very membership. Returns whether it was made now."""
+    key = "/".join(actor_key(a) for a in [rank0, *targets])
+    held = wait([rank0.engine_group_key.remote()] + [t.engine_group_key.remote() for t in targets])
+    if all(k == key for k in held):
+        return False
+    host, port = wait([rank0.engine_group_address.remote()])[0]
+    world = len(targets) + 1
+    # Every member at once: each blocks in the TCPStore until all have joined.
+    joins = [rank0.join_engine_group.remote(key, host, port, 0, world)]
+    joins += [t.join_engine_group.remote(key, host, port, k + 1, world) for k, t in enumerate(targets)]
+    wait(joins)
+    return True
+
+
+def _finish(gathers: list, loads: list, abort_on: list, sync_id: str, wait: Callable):
+    """(reports, received bytes); on a replica's failure every serving rank aborts, and the
+    trainer's own failure, if any, is the one raised (as stream_sync does)."""
+    try:
+        received = wait(loads)
+    except BaseException as load_error:
+        for rank in abort_on:
+            rank.sync_abort.remote(sync_id, f"a rollout replica failed to load: {type(load_error).__name__}: {load_error}")
+        try:
+            wait(gathers)
+        except BaseException as trainer_error:
+            raise trainer_error from load_error
+        raise
+    return wait(gathers), received
+
+
+def ipc_sync(ranks: list, targets: list, partners: list[int], wait: Callable, *, sync_id: str | None = None) -> SyncResult:
+    """Load the trainer's weights into every target by CUDA IPC; replica k is served by
+    trainer rank `partners[k]` (the one on its GPU: sync_transport.ipc_partners)."""
+    if not targets or len(partners) != len(targets):
+        raise ValueError(f"an IPC sync needs one trainer rank per replica: {len(partners)} for {len(targets)}")
+    sync_id = sync_id or uuid.uuid4().hex
+    served = Counter(partners)
+    slot: list[int] = []  # replica k's receiver number on its rank
+    seen: Counter = Counter()
+    for p in partners:
+        slot.append(seen[p])
+        seen[p] += 1
+    gathers = [r.stream_weights_ipc.remote(sync_id, served.get(i, 0)) for i, r in enumerate(ranks)]
+    loads = [t.load_weights_ipc.remote(ranks[partners[k]], sync_id, slot[k]) for k, t in enumerate(targets)]
+    reports, received = _finish(gathers, loads, [ranks[i] for i in served], sync_id, wait)
+    return SyncResult(
+        version=reports[0].version, bytes=int(sum(received)), buckets=reports[0].buckets, replicas=len(targets), transport="cuda_ipc",
+        window_peak=max(r.window_peak for r in reports),
+    )  # fmt: skip
+
+
+def nccl_sync(ranks: list, targets: list, wait: Callable, *, sync_id: str | None = None) -> SyncResult:
+    """Load the trainer's weights into every target by broadcast in the engine group (made
+    first if its membership changed)."""
+    if not targets:
+        raise ValueError("a weight sync needs at least one rollout replica")
+    sync_id = sync_id or uuid.uuid4().hex
+    ensure_engine_group(ranks[0], targets, wait)
+    gathers = [r.broadcast_weights.remote(sync_id, len(targets)) for r in ranks]
+    loads = [t.load_weights_nccl.remote(ranks[0], sync_id, k) for k, t in enumerate(targets)]
+    reports, received = _finish(gathers, loads, [ranks[0]], sync_id, wait)
+    return SyncResult(
+        version=reports[0].version, bytes=int(sum(received)), buckets=reports[0].buckets, replicas=len(targets), transport="nccl",
+        window_peak=reports[0].window_peak,
+    )  # fmt: skip
