@@ -298,10 +298,15 @@ def test_retried_start_trainers_reuses_the_process_group(platform, ray_driver, t
         ranks = [actors.find(Role.TRAINER, r) for r in range(2)]
         infos = ray_driver.get([a.setup_info.remote() for a in ranks])
         assert [i.process_group_inits for i in infos] == [1, 1]
-        state = ray_driver.get([a.weights.remote() for a in ranks])
-        assert state[1] is None and sum(v.size for v in state[0].values()) == count
+        state = ray_driver.get([a.__ray_call__.remote(_unsharded_sizes) for a in ranks])
+        assert state[0] == state[1] == count
     finally:
         release_run_actors("pg-retry")
+
+
+def _unsharded_sizes(worker) -> int:
+    """Values in the trainer's unsharded state dict (an all-gather: every rank calls)."""
+    return sum(v.numel() for v in worker.trainer.full_state().values())
 
 
 def test_worker_start_sweeps_the_actors_of_closed_runs(platform, ray_driver):
