@@ -35,6 +35,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ratchet.workers.local_paths import private_subdir
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -175,7 +177,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--models", default="tiny,smollm2")
     ap.add_argument("--engines", default="hf,vllm")
-    ap.add_argument("--cache", default="/tmp/ratchet-bench-engines", help="where the models are built (kept between runs)")
+    ap.add_argument(
+        "--cache", default=None, help="where the models are built, kept between runs (default: the private cache, ~/.cache/ratchet/bench-engines)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -191,7 +195,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-bench-"))
     rows = []
     try:
-        for w in workloads(args.models.split(","), Path(args.cache)):
+        cache = Path(args.cache) if args.cache else private_subdir("bench-engines")
+        for w in workloads(args.models.split(","), cache):
             for engine in args.engines.split(","):
                 rows.append((w, engine, measure(w, engine, args.repeats, work / f"{w.model.name}-{engine}")))
     finally:
