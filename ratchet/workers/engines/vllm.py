@@ -102,6 +102,7 @@ class VLLMEngine:
         if not _CUDA and kv_cache_bytes is None:
             kv_cache_bytes = CPU_KV_CACHE_BYTES
         memory = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {"gpu_memory_utilization": gpu_memory_utilization}
+        _forget_stale_vllm_groups()
         try:
             self.llm = LLM(
                 model_path,
@@ -238,6 +239,26 @@ class VLLMEngine:
     def wake_up(self) -> None:
         if self._sleep_mode:
             self.llm.wake_up()
+
+
+def _forget_stale_vllm_groups() -> None:
+    """vLLM keeps its process groups in module globals and reuses them for the next engine
+    of the process. When torch's groups were destroyed meanwhile (an in-process trainer that
+    shut its process group down, as LocalLoop or a test may), those globals point at dead
+    groups and the new engine fails ("not initialized in the world group map"): forget them,
+    so that the engine forms its groups again."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    world = getattr(parallel_state, "_WORLD", None)
+    if world is None:
+        return
+    alive = dist.is_initialized() and world.cpu_group in dist.distributed_c10d._world.pg_map
+    if alive:
+        return
+    for name in ("_TP", "_ETP", "_PP", "_DP", "_EP", "_EPLB", "_DCP", "_PCP", "_ENGRAM_DP", "_WORLD"):
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
 
 
 def _use_threads(count: int) -> None:
