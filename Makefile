@@ -24,7 +24,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/ratchet demo
 
-test: $(STAMP)
+# The tests take screenshots of the Temporal and MLflow UIs in a real browser: Debian's Chromium.
+BROWSER := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+$(BROWSER):
+	$(SUDO) apt-get install -y -q chromium >/dev/null || ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q chromium >/dev/null)
+
+test: $(STAMP) $(BROWSER)
 	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25
 
 # Everything that starts no Ray: unit tests, bad input, storage on the S3 server, the

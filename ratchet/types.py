@@ -129,6 +129,18 @@ def _upgrade_scored_batch(scored: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
+class RunLineage:
+    """Where a run comes from: forked from another run's checkpoint, or a trial of a sweep
+    (or neither). Set at submit and never changed; the registry, the search attributes and
+    the trackers show it."""
+
+    parent_run_id: str | None = None
+    parent_checkpoint: str | None = None  # the parent's checkpoint it starts from, e.g. "step-20"
+    sweep_id: str | None = None
+    trial_index: int | None = None
+
+
+@dataclass
 class TrainingInput:
     run_id: str
     config: dict[str, Any]
@@ -138,12 +150,14 @@ class TrainingInput:
     resume: RunState | None = None
     # A resume from a checkpoint: store `config` again and rebuild the workers from it.
     restore: bool = False
+    lineage: RunLineage = field(default_factory=RunLineage)
 
 
 @dataclass
 class PrepareInput:
     run_id: str
     config: dict[str, Any]
+    lineage: RunLineage = field(default_factory=RunLineage)
 
 
 @dataclass

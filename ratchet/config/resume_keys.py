@@ -35,6 +35,7 @@ RESUMABLE: dict[str, str] = {
     "rollout.replicas": "how many engines share a batch; a batch is the same however it is split (seeds per prompt)",
     "reward.timeout_s": "a time limit per reward call, read on each call",
     "tracking.tags": "labels only",
+    "tracking.experiment": "labels only",
 }
 
 

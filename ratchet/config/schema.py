@@ -417,6 +417,12 @@ class TrackingConfig(Section):
         description="Run name (letters, digits, '_', '.', '-'; at most 100); the run id is '<name>-<timestamp>-<random>'.",
     )
     tags: list[str] = Field(default_factory=list, description="Free-form tags stored with the run.")
+    experiment: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+        description="The experiment the run belongs to (letters, digits, '_', '.', '-'): searchable in the Temporal UI "
+        "(ratchet_experiment), the MLflow experiment, the wandb project.",
+    )
 
 
 class RunConfig(Section):
