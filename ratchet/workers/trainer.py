@@ -143,27 +143,9 @@ class TrainerWorker:
         """Gather the weights bucket by bucket (every rank: the gathers are collectives);
         rank 0 puts each into the object store for `consumers` rollout replicas, at most
         a window of buckets ahead of the slowest. Non-finite weights are refused first."""
-        t0 = time.perf_counter()
-        relay = None
-        if self.rank == 0:
-            relay = BucketRelay(consumers, window=WINDOW, put=ray.put, timeout_s=STREAM_TIMEOUT_S)
-            self._relays.open(sync_id, relay)
-        try:
-            entries, manifest = self._sync_plan()
-            check_finite_shards(entries, f"the weights of policy v{self.trainer.version} (to be synced)", self.world_size)
-        except Exception as e:
-            if relay is not None:
-                relay.fail(f"{type(e).__name__}: {e}")
-            raise
-        if relay is not None:
-            relay.start(manifest)
-        sent, failure = gather_and_offer(entries, manifest, relay.offer if relay is not None else None)
-        if failure is not None:
-            raise failure
-        return StreamReport(
-            version=manifest.version, bytes=sent, buckets=len(manifest.buckets), seconds=time.perf_counter() - t0,
-            window_peak=relay.peak_stored if relay is not None else 0,
-        )
+        relay = BucketRelay(consumers, window=WINDOW, put=ray.put, timeout_s=STREAM_TIMEOUT_S) if self.rank == 0 else None
+        offer = relay.offer if relay is not None else None
+        return self._sync_frame(sync_id, relay, lambda entries, manifest: gather_and_offer(entries, manifest, offer))
 
     @ray.method(concurrency_group=SYNC_GROUP)
     def sync_manifest(self, sync_id: str):
@@ -193,9 +175,9 @@ class TrainerWorker:
     def _sync_device(self):
         return next(self.trainer.model.parameters()).device
 
-    def _device_sync(self, sync_id: str, relay: BucketRelay | None, send) -> StreamReport:
+    def _sync_frame(self, sync_id: str, relay: BucketRelay | None, send) -> StreamReport:
         """Plan, check finiteness, then `send(entries, manifest)` -> (bytes, failure): the
-        frame of both device transports, as `stream_weights` is of the object store's."""
+        frame every transport shares (object store, CUDA IPC, NCCL)."""
         t0 = time.perf_counter()
         if relay is not None:
             self._relays.open(sync_id, relay)
@@ -226,7 +208,7 @@ class TrainerWorker:
         if consumers > 0:
             device = self._sync_device()
             relay = BucketRelay(consumers, window=IPC_WINDOW, put=lambda g: share_gathered(g, device), timeout_s=STREAM_TIMEOUT_S)
-        return self._device_sync(sync_id, relay, lambda entries, manifest: gather_and_share(entries, manifest, relay))
+        return self._sync_frame(sync_id, relay, lambda entries, manifest: gather_and_share(entries, manifest, relay))
 
     @ray.method(concurrency_group=SYNC_GROUP)
     def sync_take_shared(self, sync_id: str, consumer: int, index: int):
@@ -245,7 +227,7 @@ class TrainerWorker:
             relay = BucketRelay(consumers, window=BROADCAST_WINDOW, put=lambda g: g.index, timeout_s=STREAM_TIMEOUT_S)
             if self._engine_group is not None:
                 group, device = self._engine_group.group, self._engine_group.device
-        return self._device_sync(sync_id, relay, lambda entries, manifest: gather_and_broadcast(entries, manifest, relay, group, device))
+        return self._sync_frame(sync_id, relay, lambda entries, manifest: gather_and_broadcast(entries, manifest, relay, group, device))
 
     def engine_group_key(self) -> str | None:
         """The membership this rank's engine group was made for (None: none)."""
@@ -269,16 +251,21 @@ class TrainerWorker:
 
     def train(
         self, batch_index: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None,
-        data: ScoredStep | None = None,
+        data: ScoredStep | None = None, live: dict | None = None,
     ) -> TrainResult:  # fmt: skip
         """Update policy v`policy_version` on stored batch `batch_index`. A retried activity
         whose first attempt already updated the policy gets that update's result instead of
         a second update. `optimizer` (lr, betas, weight_decay): the settings a logged update
-        used, for a replay; by default the run's config (which a resume may have changed)."""
+        used, for a replay; by default the run's config (which a resume may have changed).
+        `live`: hyper-parameters set while the run trains (config/live_keys.py), over the
+        config for this update only; logged with it, so a replay uses them again."""
+        from ratchet.config.live_keys import live_config
+
         from .checkpointing import apply_optimizer_hyperparameters, config_hyperparameters
 
         t0 = time.perf_counter()
-        hyper = optimizer or config_hyperparameters(self.cfg)
+        cfg = live_config(self.cfg, live or {})
+        hyper = optimizer or config_hyperparameters(cfg)
         store = BatchStore(self.run)
         if self._last is not None and self._last[0] == (batch_index, policy_version) and self.trainer.version == policy_version + 1:
             result = self._last[1]
@@ -288,10 +275,13 @@ class TrainerWorker:
             data = data if data is not None else load_step(store, batch_index, parts)  # in memory: train_handed
             apply_optimizer_hyperparameters(self.trainer, hyper)
             values = store.read(batch_index, Parts.VALUES)[0][Fields.VALUES] if store.has(batch_index, Parts.VALUES) else None
+            self.trainer.cfg = cfg  # the loss weights, clip bounds and epochs it reads per update
             try:
                 result = self.trainer.train_step(data, kl_coef=kl_coef, values=values)
             except NonFiniteError as e:
                 raise NonFiniteError(f"batch {batch_index} (policy v{policy_version}): {e}") from None
+            finally:
+                self.trainer.cfg = self.cfg
             self._last = ((batch_index, policy_version), result)
             if self.cfg.uses_partial_rollouts:
                 self._publish()
@@ -299,17 +289,19 @@ class TrainerWorker:
             store.write(batch_index, Parts.ADVANTAGES, {Fields.ADVANTAGES: result.advantages, Fields.RETURNS: result.returns}, {})
             self.run.put_json(
                 RunLayout.train_log(policy_version),
-                {"batch": batch_index, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper},
+                {"batch": batch_index, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper, "live": dict(live or {})},
             )
         result.metrics["train_seconds"] = time.perf_counter() - t0
+        result.metrics["lr"] = float(hyper["lr"])  # the learning rate this update used (live or the config's)
         return TrainResult(policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef)
 
     # A batch handed over in memory (train_handed), kept with the update it went into.
     _handed: tuple[tuple[int, int], HandedStep] | None = None
 
     def train_handed(
-        self, batch_index: int, policy_version: int, kl_coef: float, scores: StepScores | None = None, *shares
-    ) -> tuple[TrainResult, HandedSummary]:
+        self, batch_index: int, policy_version: int, kl_coef: float, scores: StepScores | None = None, *shares,
+        live: dict | None = None,
+    ) -> tuple[TrainResult, HandedSummary]:  # fmt: skip
         """`train` on a batch handed over in memory (sync mode's `step` activity): the
         rollout shares (`results.RolloutShare`) and their scores, through Ray's object store.
         Rank 0 stores them as batch `batch_index` while the update runs (recovery replays
@@ -337,7 +329,7 @@ class TrainerWorker:
             saving = threading.Thread(target=save, name="store-handed-batch", daemon=True)
             saving.start()
         try:
-            result = self.train(batch_index, policy_version, kl_coef, data=step.scored_step())
+            result = self.train(batch_index, policy_version, kl_coef, data=step.scored_step(), live=live)
         finally:
             if saving is not None:
                 saving.join()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -293,11 +294,13 @@ def _kernel_scan_skips_unreadable_modules():
         return
 
     def scan_readable_modules(overrides):
-        unreadable = {
-            name: module
-            for name, module in list(sys.modules.items())
-            if any(_value_hides_its_dict(v) for v in list(getattr(module, "__dict__", {}).values()))
-        }
+        with warnings.catch_warnings():  # deprecated module attributes warn when read
+            warnings.simplefilter("ignore")
+            unreadable = {
+                name: module
+                for name, module in list(sys.modules.items())
+                if any(_value_hides_its_dict(v) for v in list(getattr(module, "__dict__", {}).values()))
+            }
         for name in unreadable:
             sys.modules.pop(name, None)
         try:

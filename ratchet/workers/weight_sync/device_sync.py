@@ -35,30 +35,19 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import ray
 import torch
 
 from .buckets import Manifest, TensorSpec, WeightBucket, gather_tensors
 from .cuda_ipc import FlatLayout, flat_layout, flatten_bucket, open_shared, share, unflatten_bucket
 from .nccl import _from_rank0, bucket_layouts, init_engine_group
-from .ray_transport import STREAM_TIMEOUT_S, SyncResult
+from .ray_transport import STREAM_TIMEOUT_S, RelayedSource, SyncResult, call
 from .relay import BucketRelay, SyncAborted
-from .sources import WeightSource
 
 # Buckets a rank shares ahead of the slowest replica it serves (IPC): gathering bucket i+1
 # overlaps the replica's load of bucket i.
 IPC_WINDOW = 2
 # NCCL: rank 0 broadcasts bucket i only when every replica asked for it.
 BROADCAST_WINDOW = 1
-
-
-def call(actor, method: str, *args, timeout_s: float = STREAM_TIMEOUT_S):
-    """`actor.method(*args)` through `.remote`: a Ray actor's ObjectRef, or a Future (the
-    in-process stand-in for a handle the tests use)."""
-    pending = getattr(actor, method).remote(*args)
-    if isinstance(pending, ray.ObjectRef):
-        return ray.get(pending, timeout=timeout_s)
-    return pending.result(timeout=timeout_s)
 
 
 def local_device() -> torch.device:
@@ -175,18 +164,12 @@ def join_engine_group(key: str, host: str, port: int, rank: int, world_size: int
 # -- a replica's side ------------------------------------------------------------------------
 
 
-class IpcSource(WeightSource):
+class IpcSource(RelayedSource):
     """A replica's pull of one sync from the trainer rank on its GPU, by IPC handle."""
 
     def __init__(self, rank, sync_id: str, consumer: int, *, device_index: int | None = None, timeout_s: float = STREAM_TIMEOUT_S):
-        self.rank, self.sync_id, self.consumer, self.device_index, self.timeout_s = rank, sync_id, consumer, device_index, timeout_s
-        self._manifest: Manifest | None = None
-        self._closed = False
-
-    def manifest(self) -> Manifest:
-        if self._manifest is None:
-            self._manifest = call(self.rank, "sync_manifest", self.sync_id, timeout_s=self.timeout_s)
-        return self._manifest
+        super().__init__(rank, sync_id, consumer, timeout_s)
+        self.device_index = device_index
 
     def _buckets(self) -> Iterator[WeightBucket]:
         finished = False
@@ -206,24 +189,13 @@ class IpcSource(WeightSource):
             if not finished:
                 self.close("the receiver stopped before the last bucket")
 
-    def close(self, error: str | None = None) -> None:
-        if not self._closed:
-            self._closed = True
-            _tell_left(self.rank, self.sync_id, self.consumer, error)
 
-
-class NcclSource(WeightSource):
+class NcclSource(RelayedSource):
     """A replica's receipt of one sync broadcast by trainer rank 0 into the engine group."""
 
     def __init__(self, rank0, sync_id: str, consumer: int, group: EngineGroup, *, timeout_s: float = STREAM_TIMEOUT_S):
-        self.rank0, self.sync_id, self.consumer, self.group, self.timeout_s = rank0, sync_id, consumer, group, timeout_s
-        self._manifest: Manifest | None = None
-        self._closed = False
-
-    def manifest(self) -> Manifest:
-        if self._manifest is None:
-            self._manifest = call(self.rank0, "sync_manifest", self.sync_id, timeout_s=self.timeout_s)
-        return self._manifest
+        super().__init__(rank0, sync_id, consumer, timeout_s)
+        self.group = group
 
     def _buckets(self) -> Iterator[WeightBucket]:
         layouts = bucket_layouts(self.manifest())
@@ -231,40 +203,23 @@ class NcclSource(WeightSource):
         try:
             for index, layout in enumerate(layouts):
                 # Ready for bucket i (and done with i - 1): rank 0 broadcasts once every replica is.
-                call(self.rank0, "sync_take", self.sync_id, self.consumer, index, timeout_s=self.timeout_s)
+                call(self.rank, "sync_take", self.sync_id, self.consumer, index, timeout_s=self.timeout_s)
                 flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.group.device)
                 self.group.group.broadcast([flat], _from_rank0()).wait()
                 yield WeightBucket(index=index, specs=layout.specs, arrays=[t for _, t in unflatten_bucket(flat, layout)])
                 del flat
-            call(self.rank0, "sync_take", self.sync_id, self.consumer, len(layouts), timeout_s=self.timeout_s)
+            call(self.rank, "sync_take", self.sync_id, self.consumer, len(layouts), timeout_s=self.timeout_s)
             finished = True
         finally:
             if not finished:
                 self.close("the receiver stopped before the last bucket")
 
-    def close(self, error: str | None = None) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _leave(self, error: str | None) -> None:
         if error is None:
-            _tell_left(self.rank0, self.sync_id, self.consumer, None)
+            super()._leave(None)
             return
         # One member missing from a broadcast would hang the others: the whole sync stops.
-        try:
-            call(self.rank0, "sync_abort", self.sync_id, f"rollout replica {self.consumer}: {error}", timeout_s=30)
-        except Exception as e:  # noqa: BLE001 - the trainer may be gone; its relay times out then
-            import logging
-
-            logging.getLogger(__name__).warning("weight sync %s: could not abort on the trainer: %s", self.sync_id, e)
-
-
-def _tell_left(rank, sync_id: str, consumer: int, error: str | None) -> None:
-    try:
-        call(rank, "sync_leave", sync_id, consumer, error, timeout_s=30)
-    except Exception as e:  # noqa: BLE001 - the trainer may be gone; its relay times out then
-        import logging
-
-        logging.getLogger(__name__).warning("weight sync %s: could not tell the trainer receiver %d left: %s", sync_id, consumer, e)
+        call(self.rank, "sync_abort", self.sync_id, f"rollout replica {self.consumer}: {error}", timeout_s=30)
 
 
 # -- the driver's side -----------------------------------------------------------------------

@@ -92,23 +92,51 @@ class RelayRegistry:
             self._relays.pop(sync_id, None)
 
 
-class StreamSource(WeightSource):
-    """A replica's pull of one sync from trainer rank 0 (picklable: an actor handle and ids)."""
+def call(actor, method: str, *args, timeout_s: float = STREAM_TIMEOUT_S):
+    """`actor.method(*args)` through `.remote`: a Ray actor's ObjectRef, or a Future (the
+    in-process stand-in for a handle the tests use)."""
+    pending = getattr(actor, method).remote(*args)
+    if isinstance(pending, ray.ObjectRef):
+        return ray.get(pending, timeout=timeout_s)
+    return pending.result(timeout=timeout_s)
 
-    def __init__(self, rank0, sync_id: str, consumer: int, timeout_s: float = STREAM_TIMEOUT_S):
-        self.rank0, self.sync_id, self.consumer, self.timeout_s = rank0, sync_id, consumer, timeout_s
+
+class RelayedSource(WeightSource):
+    """A replica's receipt of one sync that a trainer rank relays (`relay.py`): the manifest
+    asked once, and the rank told once that this receiver is done (or failed), so that it
+    stops waiting for it. Subclasses give `_buckets`: how the bytes travel."""
+
+    def __init__(self, rank, sync_id: str, consumer: int, timeout_s: float = STREAM_TIMEOUT_S):
+        self.rank, self.sync_id, self.consumer, self.timeout_s = rank, sync_id, consumer, timeout_s
         self._manifest: Manifest | None = None
         self._closed = False
 
     def manifest(self) -> Manifest:
         if self._manifest is None:
-            self._manifest = ray.get(self.rank0.sync_manifest.remote(self.sync_id), timeout=self.timeout_s)
+            self._manifest = call(self.rank, "sync_manifest", self.sync_id, timeout_s=self.timeout_s)
         return self._manifest
+
+    def close(self, error: str | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._leave(error)
+        except Exception as e:  # noqa: BLE001 - the trainer may be gone; its relay times out then
+            log.warning("weight sync %s: could not tell the trainer receiver %d stopped: %s", self.sync_id, self.consumer, e)
+
+    def _leave(self, error: str | None) -> None:
+        call(self.rank, "sync_leave", self.sync_id, self.consumer, error, timeout_s=30)
+
+
+class StreamSource(RelayedSource):
+    """A replica's pull of one sync from trainer rank 0 through the object store
+    (picklable: an actor handle and ids)."""
 
     def _buckets(self) -> Iterator[WeightBucket]:
         count = len(self.manifest().buckets)
         finished = False
-        take = lambda i: self.rank0.sync_take.remote(self.sync_id, self.consumer, i)  # noqa: E731
+        take = lambda i: self.rank.sync_take.remote(self.sync_id, self.consumer, i)  # noqa: E731
         try:
             asked = take(0)
             for index in range(count + 1):
@@ -127,15 +155,6 @@ class StreamSource(WeightSource):
         finally:
             if not finished:
                 self.close("the receiver stopped before the last bucket")
-
-    def close(self, error: str | None = None) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            ray.get(self.rank0.sync_leave.remote(self.sync_id, self.consumer, error), timeout=30)
-        except Exception as e:  # noqa: BLE001 - the trainer may be gone; its relay times out then
-            log.warning("weight sync %s: could not tell the trainer receiver %d left: %s", self.sync_id, self.consumer, e)
 
 
 class PublishedSource(WeightSource):
