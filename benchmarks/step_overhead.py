@@ -67,19 +67,32 @@ def ratchet_loop(overrides: list[str], steps: int, state: Path) -> dict[str, flo
     # activities) and ends when the next one starts (the last: when its `step` or
     # `sync_weights` completes). Step 0 is left out, as in the plain loop.
     starts, ends, names = [], [], {}
+    scheduled, started = {}, {}  # activity scheduled / started times, by scheduled event id
+    queued, running = [], []  # per step activity: scheduled -> started, started -> completed
     for e in history.events:
         if e.HasField("activity_task_scheduled_event_attributes"):
             names[e.event_id] = e.activity_task_scheduled_event_attributes.activity_type.name
+            scheduled[e.event_id] = e.event_time.ToDatetime()
             if names[e.event_id] in ("step", "generate"):
                 starts.append(e.event_time.ToDatetime())
+        if e.HasField("activity_task_started_event_attributes"):
+            started[e.activity_task_started_event_attributes.scheduled_event_id] = e.event_time.ToDatetime()
         if e.HasField("activity_task_completed_event_attributes"):
-            if names.get(e.activity_task_completed_event_attributes.scheduled_event_id) in ("step", "sync_weights"):
+            sid = e.activity_task_completed_event_attributes.scheduled_event_id
+            if names.get(sid) in ("step", "sync_weights"):
                 ends.append(e.event_time.ToDatetime())
+            if names.get(sid) == "step" and sid in started:
+                queued.append((started[sid] - scheduled[sid]).total_seconds())
+                running.append((e.event_time.ToDatetime() - started[sid]).total_seconds())
     bounds = [*starts[1:steps], ends[-1]]
     durations = [(b - a).total_seconds() for a, b in zip(bounds, bounds[1:])]
     metrics = [json.loads(x) for x in (Path(summary.run_uri) / "metrics.jsonl").read_text().splitlines()][1:]
     inside = {k: statistics.median(m[f"{k}_seconds"] for m in metrics) for k in PHASES}
-    return {"step": statistics.median(durations), **inside}
+    out = {"step": statistics.median(durations), **inside}
+    if running:  # sync mode: one `step` activity per step (step 0 left out)
+        out["activity_queued"] = statistics.median(queued[1:steps])
+        out["activity_running"] = statistics.median(running[1:steps])
+    return out
 
 
 def main() -> None:
@@ -123,6 +136,15 @@ def main() -> None:
     # from the in-process loop; the time outside every phase is orchestration alone.
     outside_ms = (through["step"] - sum(through[k] for k in PHASES)) * 1000
     console.print(f"ratchet step time outside the four phases: {outside_ms:.0f} ms per step")
+    if "activity_running" in through:
+        # Where that goes: Temporal (the workflow task that schedules the next step, and the
+        # activity's dispatch) or the activity itself (Ray calls, actor look-ups, storage).
+        in_activity_ms = (through["activity_running"] - sum(through[k] for k in PHASES)) * 1000
+        temporal_ms = (through["step"] - through["activity_running"]) * 1000
+        console.print(
+            f"  of which in the step activity, outside the phases: {in_activity_ms:.0f} ms; in Temporal between steps: "
+            f"{temporal_ms:.0f} ms (activity dispatch {through['activity_queued'] * 1000:.0f} ms)"
+        )
     os._exit(0)  # the Temporal SDK can crash at interpreter exit
 
 

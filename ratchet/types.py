@@ -81,6 +81,8 @@ class RunState:
     eval_rewards: dict[str, float] = field(default_factory=dict)  # step -> reward; the first and the latest EVALS_KEPT - 1
     warmup_loss_first: float = 0.0
     warmup_loss_last: float = 0.0
+    # Hyper-parameters changed on the running run (`ratchet set`); into every checkpoint.
+    live: LiveParams = field(default_factory=lambda: LiveParams())
 
     def record_reward(self, reward_mean: float) -> None:
         if len(self.reward_first10) < 10:
@@ -101,6 +103,29 @@ class RunState:
 
 
 EVALS_KEPT = 32
+
+
+@dataclass
+class LiveParams:
+    """Hyper-parameters set on a running run (the `set_params` update; which keys may
+    change and why: ratchet/config/live_keys.py). Constant-size: one value per key ever
+    changed, whatever the number of changes; each change is in the Temporal history (the
+    update) and in metrics.jsonl (`live_changed` on the step it applies from)."""
+
+    values: dict[str, Any] = field(default_factory=dict)  # dotted key -> value in force, over the config's
+    changes: int = 0  # changes applied so far
+    last_step: int | None = None  # the step the latest change applies from
+
+
+@dataclass
+class LiveChange:
+    """What the `set_params` update answers: the values now set, the ones they replace,
+    and the training step they apply from (the next step boundary)."""
+
+    run_id: str
+    from_step: int
+    values: dict[str, Any]
+    previous: dict[str, Any]
 
 
 def upgrade_run_state(data: dict[str, Any]) -> dict[str, Any]:
@@ -151,6 +176,10 @@ class TrainingInput:
     # A resume from a checkpoint: store `config` again and rebuild the workers from it.
     restore: bool = False
     lineage: RunLineage = field(default_factory=RunLineage)
+    # The namespace has ratchet's search attributes (checked by the client at submit): the
+    # workflow upserts step, reward and status as it goes. False on a server without them,
+    # where an upsert would fail every workflow task (ratchet/workflows/search_attributes.py).
+    search_attributes: bool = False
 
 
 @dataclass
@@ -244,6 +273,7 @@ class TrainInput:
     policy_version: int
     kl_coef: float = 0.0
     parts: int = 1  # rollout rounds of the step to train on
+    live: dict[str, Any] = field(default_factory=dict)  # RunState.live.values: set while the run trains
 
 
 @dataclass
@@ -274,6 +304,7 @@ class StepInput:
     rollout: RolloutInput
     policy_version: int  # the trainer's version, updated by this step
     kl_coef: float = 0.0
+    live: dict[str, Any] = field(default_factory=dict)  # RunState.live.values: set while the run trains
 
 
 @dataclass
@@ -338,6 +369,7 @@ class ReleaseInput:
     """Release every Ray actor of a run (any way the run ends: completed, failed, cancelled)."""
 
     run_id: str
+    reason: str = ""  # "cancelled" or "failed": how the run ended, for the run registry
 
 
 @dataclass

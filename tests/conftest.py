@@ -19,6 +19,9 @@ from ratchet.platform.services import free_ports
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Activities run in the test process default their registry and MLflow store to the state
+# folder: a private one per session, never the checkout's ./.ratchet.
+os.environ.setdefault("RATCHET_STATE_DIR", tempfile.mkdtemp(prefix="rt-state-"))
 
 # Fixtures that start real services with Ray (the platform, the chaos and S3 platforms,
 # `ratchet up` itself): every test that uses one is an integration test, so that

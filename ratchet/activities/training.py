@@ -7,6 +7,7 @@ any activity of any run, and a retry redoes exactly the same work.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,6 +28,8 @@ from ratchet.workers.columns import Parts
 from ratchet.workers.results import CheckpointOutcome, CheckpointStarted
 from ratchet.workers.warmup import warmup_policy
 
+from . import registry_calls
+from . import tracking_calls
 from .ray_calls import ACTIVITY_WAITER, wait
 from .translate import temporal_errors
 
@@ -58,6 +61,10 @@ def prepare_run(inp: t.PrepareInput) -> t.PrepareOutput:
     run_store = ObjectStore(cfg.storage.root).child(inp.run_id)
     stored = cfg.model_dump(mode="json")
     run_store.put_json(RunLayout.CONFIG, stored)
+    if inp.lineage != t.RunLineage():
+        run_store.put_json(RunLayout.LINEAGE, dataclasses.asdict(inp.lineage))
+    tracking_calls.run_prepared(inp, run_store.url, stored)
+    registry_calls.run_prepared(inp, stored, config_digest(stored))
     return t.PrepareOutput(run=t.RunRef(run_id=inp.run_id, run_uri=run_store.url, config_id=config_digest(stored)))
 
 
@@ -154,7 +161,8 @@ def train(inp: t.TrainInput) -> t.TrainOutput:
     if critic is not None:
         wait(critic.compute_values.remote(batch_index, parts))
     ranks = actors.trainers(inp.policy_version, retrying_update=retrying)
-    outs = wait([a.train.remote(batch_index, inp.policy_version, inp.kl_coef, parts) for a in ranks])
+    # `live`: hyper-parameters set while the run trains (live_keys.py), for this update.
+    outs = wait([a.train.remote(batch_index, inp.policy_version, inp.kl_coef, parts, live=inp.live or None) for a in ranks])
     metrics = dict(outs[0].metrics)
     if critic is not None:
         metrics.update(wait(critic.update.remote(batch_index, parts)))
@@ -166,8 +174,12 @@ def train(inp: t.TrainInput) -> t.TrainOutput:
 @activity.defn(name="sync_weights")
 @temporal_errors
 def sync_weights(inp: t.SyncInput) -> t.SyncOutput:
+    return _synced(actors_for(inp.run), inp.policy_version)
+
+
+def _synced(actors: RunActors, version: int, ranks: list | None = None, replicas: list | None = None) -> t.SyncOutput:
     t0 = time.perf_counter()
-    out = actors_for(inp.run).sync_weights(inp.policy_version)
+    out = actors.sync_weights(version, ranks=ranks, targets=replicas)
     return t.SyncOutput(policy_version=out.version, seconds=time.perf_counter() - t0, megabytes=out.bytes / 1e6)
 
 
@@ -186,34 +198,44 @@ def step(inp: t.StepInput) -> t.StepOutput:
     if actors.cfg.uses_critic:
         batch = generate(ro)
         scored = score(t.ScoreInput(ro.run, batch))
-        trained = train(t.TrainInput(ro.run, batch, inp.policy_version, kl_coef=inp.kl_coef))
+        trained = train(t.TrainInput(ro.run, batch, inp.policy_version, kl_coef=inp.kl_coef, live=inp.live))
+        synced = sync_weights(t.SyncInput(ro.run, trained.policy_version))
     else:
-        batch, scored, trained = _step_in_memory(actors, inp)
-    synced = sync_weights(t.SyncInput(ro.run, trained.policy_version))
+        batch, scored, trained, (ranks, replicas) = _step_in_memory(actors, inp)
+        # The ranks and replicas this step just used: not looked up and probed again.
+        synced = _synced(actors, trained.policy_version, ranks, replicas or None)
     return t.StepOutput(batch=batch, score=scored, trained=trained, synced=synced)
 
 
-def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.ScoreOutput, t.TrainOutput]:
+def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.ScoreOutput, t.TrainOutput, tuple[list, list]]:
+    """The step with its batch handed over in memory; also returns the trainer ranks and
+    the rollout replicas it used (none on a retry that found the update made)."""
     ro, version = inp.rollout, inp.policy_version
     retrying = activity.info().attempt > 1
     ranks = actors.trainers(version, retrying_update=retrying)
     scores, shares = None, []
+    pool = actors.rollout_pool()
     # A retried step whose update was made: the trainer reports (and stores) its batch.
     if not (retrying and wait(ranks[0].policy_version.remote()) == version + 1):
         # Over the rollout replicas (rollout_pool.py), kept in Ray's object store.
-        shares = actors.generate_shares(
+        shares = pool.generate_shares(
             ro.batch_index, ro.prompt_start, ro.prompt_count, ro.policy_version, part=ro.part, exact=ro.exact_version
         )
         scores = actors.score_shares(ro.batch_index, shares)
         actors.sleep_rollouts()  # colocated: the engines give the trainer their memory
     t0 = time.perf_counter()
-    trained, summary = wait([a.train_handed.remote(ro.batch_index, version, inp.kl_coef, scores, *shares) for a in ranks])[0]
+    live = inp.live or None
+    trained, summary = wait([a.train_handed.remote(ro.batch_index, version, inp.kl_coef, scores, *shares, live=live) for a in ranks])[0]
     seconds = time.perf_counter() - t0
     run_store = ObjectStore(ro.run.run_uri)
     batch = _batch_ref(ro, run_store.uri(BatchStore(run_store).key(ro.batch_index, Parts.ROLLOUT)), summary)
     s = summary.score
     scored = t.ScoreOutput(reward_mean=s.reward_mean, reward_std=s.reward_std, seconds=s.seconds, informative_groups=s.informative_groups)
-    return batch, scored, t.TrainOutput(policy_version=trained.policy_version, metrics=dict(trained.metrics), seconds=seconds, kl_coef=trained.kl_coef)
+    trained_out = t.TrainOutput(policy_version=trained.policy_version, metrics=dict(trained.metrics), seconds=seconds, kl_coef=trained.kl_coef)
+    # A replica lost and recreated during the batch is not among those that generated it:
+    # then the sync looks every replica up.
+    replicas = pool.healthy if len(pool.healthy) == actors.cfg.rollout.replicas else []
+    return batch, scored, trained_out, (ranks, replicas)
 
 
 @activity.defn(name="evaluate")
@@ -249,6 +271,7 @@ def checkpoint(inp: t.CheckpointInput) -> t.CheckpointOutput:
     if now_failed:
         earlier = f" (after an earlier one: {failed})" if failed else ""
         raise CheckpointFailed(f"run {inp.run.run_id}: {now_failed}{earlier}")
+    registry_calls.checkpoints_changed(inp.run)
     return t.CheckpointOutput(
         name=outs[0].name,
         stall_seconds=max(o.stall_seconds for o in outs),
@@ -285,6 +308,8 @@ def _settle_last_checkpoint(run_id: str, ranks: list) -> None:
 @temporal_errors
 def record_step(inp: t.StepRecord) -> None:
     MetricsLog(ObjectStore(inp.run.run_uri)).write(inp.step, inp.metrics)
+    tracking_calls.step_recorded(inp)
+    registry_calls.step_recorded(inp)
 
 
 @activity.defn(name="finish_run")
@@ -298,8 +323,10 @@ def finish_run(inp: t.FinishInput) -> t.FinishOutput:
     _settle_last_checkpoint(inp.run.run_id, ranks)  # the last upload lands first
     if cfg.checkpoint.export_final:
         uri = wait([a.export.remote(RunLayout.FINAL_MODEL) for a in ranks])[0]
+    registry_calls.run_finished(inp.run, cfg.loop.steps)
     killed = actors.shutdown()
     log.info("run %s finished; released %s", inp.run.run_id, ", ".join(killed))
+    tracking_calls.run_finished(inp)
     return t.FinishOutput(final_policy_uri=uri)
 
 
@@ -309,6 +336,8 @@ def release_run(inp: t.ReleaseInput) -> t.ReleaseOutput:
     """Kill the run's actors, however the run ended (the workflow calls it on failure and
     cancellation too): a failed run must not keep its CPUs from the next one."""
     killed = release_run_actors(check_id(inp.run_id))
+    tracking_calls.run_released(inp)
+    registry_calls.run_released(inp)
     if killed:
         log.info("run %s: released %s", inp.run_id, ", ".join(killed))
     return t.ReleaseOutput(released=killed)

@@ -36,6 +36,8 @@ RESUMABLE: dict[str, str] = {
     "reward.timeout_s": "a time limit per reward call, read on each call",
     "tracking.tags": "labels only",
     "tracking.experiment": "labels only",
+    "tracking.mlflow*": "trackers only (a new mlflow_uri starts a new MLflow run in that store)",
+    "tracking.wandb.*": "trackers only",
 }
 
 

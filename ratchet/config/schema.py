@@ -410,6 +410,24 @@ class ResourcesConfig(Section):
         return pools
 
 
+# Tracking stores MLflow accepts as a URI (a plain folder path is accepted too).
+MLFLOW_URI_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+
+
+class WandbConfig(Section):
+    """wandb as a second tracker: off by default, and offline unless asked (no network)."""
+
+    enabled: bool = Field(False, description="Log each run to wandb as well (one wandb run per ratchet run, id = run id).")
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: write the run folder only (sync it later with `wandb sync`); online: send to the wandb "
+        "server (needs WANDB_API_KEY in the worker's environment, never in the config).",
+    )
+    project: str | None = Field(None, max_length=128, description="wandb project (default: tracking.experiment).")
+    entity: str | None = Field(None, max_length=128, description="wandb entity (team or user); default: wandb's own.")
+    dir: str | None = Field(None, description="Folder for wandb's run folders (default: <state dir>/wandb).")
+
+
 class TrackingConfig(Section):
     name: str = Field(
         "run",
@@ -423,6 +441,32 @@ class TrackingConfig(Section):
         description="The experiment the run belongs to (letters, digits, '_', '.', '-'): searchable in the Temporal UI "
         "(ratchet_experiment), the MLflow experiment, the wandb project.",
     )
+    mlflow: bool = Field(True, description="Log each run to MLflow (a local SQLite store under the state dir by default).")
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (sqlite:///path.db, a folder, http(s)://server, postgresql://...); default: "
+        "$MLFLOW_TRACKING_URI, else sqlite:///<state dir>/mlflow.db. No credentials here: the server's user and password "
+        "go in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD on the worker.",
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _mlflow_uri(cls, uri: str | None) -> str | None:
+        if uri is None:
+            return None
+        if not uri.strip():
+            raise ValueError("is empty; leave tracking.mlflow_uri out for the default store, or give a URI")
+        scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+        if "://" in uri and scheme not in MLFLOW_URI_SCHEMES:
+            raise ValueError(f"{uri.split('://', 1)[0]!r} is not an MLflow store scheme; use one of {', '.join(MLFLOW_URI_SCHEMES)}")
+        if "://" in uri and "@" in uri.split("://", 1)[1].split("/", 1)[0]:
+            # The config travels through Temporal's history and config.json: no secrets in it.
+            raise ValueError(
+                "holds credentials (user@host); remove them and set MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD in the worker's environment instead"
+            )
+        return uri
 
 
 class RunConfig(Section):

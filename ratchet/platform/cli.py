@@ -8,7 +8,7 @@ import os
 import sys
 import typing
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import typer
 from rich.console import Console
@@ -300,6 +300,348 @@ def _flush_and_exit(code: int) -> None:
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
+
+
+@app.command("set")
+def set_params(
+    run_id: str,
+    changes: List[str] = typer.Argument(
+        ..., help="key=value pairs, e.g. trainer.lr=1e-5 (which keys may change live: ratchet/config/live_keys.py)."
+    ),
+) -> None:
+    """Change hyper-parameters of a running run from its next step boundary."""
+    from ratchet.config import ConfigError
+    from ratchet.config.live_keys import parse_assignments, refused_keys
+
+    from .client import Client, LiveChangeRefused
+
+    _checked_id(run_id)
+    asked = _exit_on_config_error(parse_assignments, changes)
+    refused = refused_keys(list(asked))
+    if refused:  # before connecting: the key list is known here; values are the run's to check
+        typer.secho(str(ConfigError(refused)), err=True, fg="red")
+        raise typer.Exit(2)
+    try:
+        done = _exit_on_config_error(Client.connect().get(run_id).set, asked)
+    except LiveChangeRefused as exc:
+        typer.secho(str(exc), err=True, fg="red")
+        raise typer.Exit(2)
+    for key, value in done.values.items():
+        console.print(f"{key}: {done.previous.get(key)!r} -> {value!r}")
+    console.print(f"run [bold]{run_id}[/bold]: from step {done.from_step}")
+    _flush_and_exit(0)
+
+
+@app.command()
+def fork(
+    run_id: str,
+    checkpoint: str = typer.Option(..., "--checkpoint", help="The parent's checkpoint to start from, e.g. step-20 (ratchet checkpoints RUN)."),
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help="Config changes, e.g. trainer.lr=1e-5 loop.steps=60 (the keys a resume may change: ratchet/config/resume_keys.py)."
+    ),
+    root: Optional[str] = RootOption,
+    new_run_id: Optional[str] = typer.Option(None, "--run-id", help="The new run's id (default: <tracking.name>-<time>-<random>)."),
+) -> None:
+    """Start a new run from a checkpoint of RUN_ID, with overrides, linked to its parent."""
+    from .client import Client
+
+    _checked_id(run_id)
+    if new_run_id is not None:
+        _checked_id(new_run_id)
+    try:
+        handle = _exit_on_config_error(Client.connect().fork, run_id, checkpoint, overrides or [], root=root, new_run_id=new_run_id)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        typer.secho(str(exc), err=True, fg="red")
+        raise typer.Exit(2)
+    console.print(f"forked run [bold]{handle.run_id}[/bold] from {run_id} at {checkpoint}")
+    _flush_and_exit(0)
+
+
+RegistryURLOption = typer.Option(
+    None, "--url", help="Run registry database URL (default $RATCHET_REGISTRY_URL, else sqlite:///<state dir>/registry.db)."
+)
+
+
+def _open_registry(url: Optional[str], state_dir: Optional[Path]):
+    """The run registry, or exit naming the problem (the URL shown with its password masked)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ratchet.registry import RegistryURLError, registry_url, safe_url
+
+    from .runs_view import open_registry
+
+    try:
+        return open_registry(url, state_dir)
+    except RegistryURLError as exc:
+        typer.secho(str(exc), err=True, fg="red")
+        raise typer.Exit(2)
+    except SQLAlchemyError as exc:
+        shown = safe_url(url or registry_url())
+        typer.secho(f"cannot open the run registry {shown}: {type(exc).__name__}; is the database up?", err=True, fg="red")
+        raise typer.Exit(1)
+
+
+@app.command()
+def runs(
+    experiment: Optional[str] = typer.Option(None, "--experiment", help="Only runs of this experiment (tracking.experiment)."),
+    status: Optional[str] = typer.Option(None, "--status", help="Only runs in this status: running, completed, failed, cancelled, stopped."),
+    sort: str = typer.Option("created", "--sort", help="created, updated, step, reward, eval_reward, run_id, experiment or status."),
+    ascending: bool = typer.Option(False, "--asc", help="Sort ascending (default: descending, newest or best first)."),
+    limit: int = typer.Option(50, "--limit", min=1, help="Show at most this many runs."),
+    compare: Optional[Tuple[str, str]] = typer.Option(None, "--compare", help="Two run ids: their config differences and reward curves."),
+    root: Optional[str] = typer.Option(None, "--root", help="--compare: where the run folders are (default: each run's storage.root)."),
+    url: Optional[str] = RegistryURLOption,
+    state_dir: Optional[Path] = StateDir,
+    where: Optional[str] = typer.Option(
+        None, "--where", help="Only runs this Temporal query over their search attributes selects, e.g. \"ratchet_reward > 0.3\" (docs/temporal_ui.md)."
+    ),
+) -> None:
+    """List runs from the run registry (filter, sort), or compare two runs."""
+    from ratchet.registry import RUN_STATUSES, SORT_KEYS
+
+    from .runs_view import curves_table, diff_table, runs_table
+
+    # Checked before the database is opened: a typo costs no connection.
+    if status is not None and status not in RUN_STATUSES:
+        typer.secho(f"--status must be one of {', '.join(RUN_STATUSES)}; got {status!r}", err=True, fg="red")
+        raise typer.Exit(2)
+    if sort not in SORT_KEYS:
+        typer.secho(f"--sort must be one of {', '.join(SORT_KEYS)}; got {sort!r}", err=True, fg="red")
+        raise typer.Exit(2)
+    for run_id in compare or ():
+        _checked_id(run_id)
+    if where is not None:
+        where = _checked_query(where)
+    reg = _open_registry(url, state_dir)
+    if compare:
+        found = [reg.run(run_id) for run_id in compare]
+        missing = [run_id for run_id, r in zip(compare, found) if r is None]
+        if missing:
+            typer.secho(f"not in the run registry {reg.url}: {', '.join(missing)} (see `ratchet runs`)", err=True, fg="red")
+            raise typer.Exit(2)
+        console.print(runs_table(found, "runs compared"))
+        console.print(diff_table(*found))
+        console.print(curves_table(*found, root=root))
+        return
+    # Runs a Temporal visibility query selects (`--where`) narrow the listing to these ids.
+    run_ids: Optional[List[str]] = None
+    if where is not None:
+        from .client import Client
+
+        run_ids = [r.run_id for r in _checked_query(where, Client.connect().find, limit=1000)]
+    records = reg.runs(experiment=experiment, status=status, run_ids=run_ids, sort=sort, descending=not ascending, limit=limit)
+    console.print(runs_table(records, f"runs in {reg.url}" + (f" where {where}" if where else "")))
+    unlisted = sorted(set(run_ids) - {r.run_id for r in reg.runs(run_ids=run_ids)}) if run_ids else []
+    if unlisted:  # started where this registry is not written (another state folder or database)
+        console.print(f"[yellow]{len(unlisted)} run(s) the query selects are not in the registry[/yellow]: {', '.join(unlisted)}")
+    if where is not None:
+        _flush_and_exit(0)  # a Temporal client was made
+
+
+def _checked_query(where: str, find=None, **kwargs):
+    """`ratchet runs --where`: the query checked (or, with `find`, run); a bad one exits 2
+    with the message naming the search attributes (ratchet/platform/search.py)."""
+    from .search import InvalidQuery, check_query
+
+    try:
+        return find(where, **kwargs) if find is not None else check_query(where)
+    except InvalidQuery as exc:
+        typer.secho(str(exc), err=True, fg="red")
+        raise typer.Exit(2)
+
+
+registry_app = typer.Typer(no_args_is_help=True, help="The run registry's database: migrate it, rebuild it from the object store.")
+app.add_typer(registry_app, name="registry")
+
+
+@registry_app.command("upgrade")
+def registry_upgrade(url: Optional[str] = RegistryURLOption, state_dir: Optional[Path] = StateDir) -> None:
+    """Create or migrate the run registry's tables to the newest revision (Alembic)."""
+    from ratchet.registry.migrate import current
+
+    reg = _open_registry(url, state_dir)  # opening migrates to head
+    console.print(f"run registry {reg.url} at revision {current(reg.engine)}")
+
+
+@registry_app.command("rebuild")
+def registry_rebuild(
+    root: str = typer.Option(".ratchet/runs", "--root", help="Object store root holding the run folders (a folder, s3://..., minio://...)."),
+    url: Optional[str] = RegistryURLOption,
+    state_dir: Optional[Path] = StateDir,
+) -> None:
+    """Rebuild the registry's runs and checkpoints from the run folders under --root."""
+    from rich.progress import Progress
+
+    from ratchet.registry import rebuild_from_store
+
+    reg = _open_registry(url, state_dir)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("rebuilding", total=None)
+        report = rebuild_from_store(
+            reg, root, on_start=lambda n: bar.update(task, total=n), on_run=lambda run_id: bar.advance(task)
+        )
+    console.print(f"rebuilt {len(report.runs)} runs ({report.checkpoints} checkpoints) from {root} into {reg.url}")
+    for folder, why in report.skipped.items():
+        console.print(f"[yellow]skipped {folder}[/yellow]: {why}")
+
+
+
+# -- sweeps and schedules (ratchet/platform/sweeps.py, schedules.py) ------------------------
+
+
+@app.command()
+def sweep(
+    spec: Path = typer.Argument(..., help="Sweep spec (YAML): base config, search space, search kind, objective (docs/sweeps.md)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="sweep.KEY=V sets a spec key (sweep.trials=4); KEY=V overrides the base run config."),
+    detach: bool = typer.Option(False, "--detach", help="Start the sweep and return its id without waiting."),
+) -> None:
+    """Validate SPEC and every trial config, start the sweep, and follow it."""
+    from .client import Client
+    from .sweeps import prepare_sweep
+    from .sweeps_view import summary_view, watch_sweep
+
+    prepared = _exit_on_config_error(prepare_sweep, spec, overrides or [])  # before any connection
+    handle = Client.connect().sweep(prepared)
+    console.print(f"started sweep [bold]{handle.sweep_id}[/bold]")
+    if detach:
+        _flush_and_exit(0)
+    console.print(summary_view(watch_sweep(handle, console)))
+    _flush_and_exit(0)
+
+
+@app.command()
+def sweeps(
+    sweep_id: Optional[str] = typer.Argument(None, help="A sweep id: list its trials."),
+    url: Optional[str] = RegistryURLOption,
+    state_dir: Optional[Path] = StateDir,
+) -> None:
+    """Sweeps with their status and best trial (from the run registry); with SWEEP_ID, its trials."""
+    from .sweeps_view import registry_trials_table, sweeps_table
+
+    if sweep_id is not None:
+        _checked_id(sweep_id, "sweep id")
+    reg = _open_registry(url, state_dir)
+    if sweep_id is None:
+        found = reg.sweeps()
+        console.print(sweeps_table(found, {s.sweep_id: reg.trials(s.sweep_id) for s in found}, f"sweeps in {reg.url}"))
+        return
+    record = reg.sweep(sweep_id)
+    if record is None:
+        typer.secho(f"no sweep {sweep_id!r} in the run registry {reg.url} (see `ratchet sweeps`)", err=True, fg="red")
+        raise typer.Exit(2)
+    console.print(registry_trials_table(record, reg.trials(sweep_id)))
+
+
+def _sweep_signal(sweep_id: str, what: str) -> None:
+    from .client import Client
+
+    getattr(Client.connect().get_sweep(_checked_id(sweep_id, "sweep id")), what)()
+    console.print(f"{what}: sent to sweep {sweep_id}")
+    _flush_and_exit(0)
+
+
+@app.command("sweep-pause")
+def sweep_pause(sweep_id: str) -> None:
+    """Pause a sweep: its running trials pause at their next step boundary, no new trial starts."""
+    _sweep_signal(sweep_id, "pause")
+
+
+@app.command("sweep-resume")
+def sweep_resume(sweep_id: str) -> None:
+    """Resume a paused sweep and its trials."""
+    _sweep_signal(sweep_id, "resume")
+
+
+@app.command("sweep-cancel")
+def sweep_cancel(sweep_id: str) -> None:
+    """Cancel a sweep: its running trials stop at their next step boundary, no new trial starts."""
+    _sweep_signal(sweep_id, "cancel")
+
+
+schedule_app = typer.Typer(no_args_is_help=True, help="Recurring runs or sweeps through Temporal Schedules.")
+app.add_typer(schedule_app, name="schedule")
+
+
+@schedule_app.command("create")
+def schedule_create(
+    schedule_id: str = typer.Argument(..., help="The schedule's id; its runs are named <id>-<fire time>."),
+    config: Optional[Path] = typer.Option(None, "--config", help="A run config (YAML) to run on the schedule."),
+    sweep_spec: Optional[Path] = typer.Option(None, "--sweep", help="A sweep spec (YAML) to run on the schedule."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides of the config (or sweep: sweep.KEY=V and base KEY=V)."),
+    every: Optional[str] = typer.Option(None, "--every", help="Interval: 30m, 6h, 1d."),
+    cron: Optional[str] = typer.Option(None, "--cron", help="Cron expression, e.g. '0 3 * * *' (UTC)."),
+    paused: bool = typer.Option(False, "--paused", help="Create it paused."),
+) -> None:
+    """Create a schedule that starts a run (--config) or a sweep (--sweep) every --every or on --cron."""
+    from .client import Client
+    from .schedules import ScheduleError, create_schedule
+
+    _checked_id(schedule_id, "schedule id")
+    try:
+        _exit_on_config_error(
+            create_schedule, Client.connect(), schedule_id, config=config, sweep=sweep_spec, overrides=overrides or [], every=every, cron=cron, paused=paused
+        )
+    except ScheduleError as exc:
+        typer.secho(str(exc), err=True, fg="red")
+        raise typer.Exit(2)
+    console.print(f"created schedule [bold]{schedule_id}[/bold]")
+    _flush_and_exit(0)
+
+
+@schedule_app.command("list")
+def schedule_list() -> None:
+    """Schedules on the Temporal server, with their next fire time and recent launches."""
+    from rich.table import Table
+
+    from .client import Client
+    from .schedules import list_schedules
+
+    table = Table(title="schedules")
+    for col in ("schedule", "action", "when", "next", "recent", "paused"):
+        table.add_column(col)
+    for row in list_schedules(Client.connect()):
+        table.add_row(row.schedule_id, row.kind, row.when, row.next_run[:19], ", ".join(row.recent[-3:]), "yes" if row.paused else "no")
+    console.print(table)
+    _flush_and_exit(0)
+
+
+@schedule_app.command("trigger")
+def schedule_trigger(schedule_id: str) -> None:
+    """Fire a schedule's action now, once."""
+    from .client import Client
+    from .schedules import trigger_schedule
+
+    trigger_schedule(Client.connect(), _checked_id(schedule_id, "schedule id"))
+    console.print(f"triggered schedule {schedule_id}")
+    _flush_and_exit(0)
+
+
+@schedule_app.command("delete")
+def schedule_delete(schedule_id: str) -> None:
+    """Delete a schedule (runs it started carry on)."""
+    from .client import Client
+    from .schedules import delete_schedule
+
+    delete_schedule(Client.connect(), _checked_id(schedule_id, "schedule id"))
+    console.print(f"deleted schedule {schedule_id}")
+    _flush_and_exit(0)
+
+
+@app.command()
+def plot(
+    runs: List[str] = typer.Argument(..., help="Run ids (under --root), run folders or metrics.jsonl files; several are overlaid."),
+    out: Optional[Path] = typer.Option(None, "--out", help="The PNG to write (default ./<run id>.png)."),
+    root: Optional[str] = RootOption,
+) -> None:
+    """Plot reward, eval reward, KL, entropy, response length, staleness and step time per phase (PNG)."""
+    from .plot import PlotError, plot as draw
+
+    try:
+        path = draw(runs, out, root)
+    except PlotError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2)
+    console.print(f"wrote {path}")
 
 
 def main() -> None:

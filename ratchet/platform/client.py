@@ -18,10 +18,10 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ratchet.ids import check_id
-from ratchet.types import TASK_QUEUE, BatchStatus, LoopPlan, Progress, RunState, RunSummary, TrainingInput, upgrade_run_state
+from ratchet.types import TASK_QUEUE, BatchStatus, LiveChange, LoopPlan, Progress, RunState, RunSummary, TrainingInput, upgrade_run_state
 
 WORKFLOW = "TrainingWorkflow"
 # The demo recipe, in a source checkout.
@@ -36,6 +36,11 @@ def _json_payload(data: bytes):
 
 class RunIsLive(RuntimeError):
     """A resume from a checkpoint asked of a run whose workflow is still open."""
+
+
+class LiveChangeRefused(ValueError):
+    """The run refused a live change (`RunHandle.set`): a key that cannot change live, a
+    value its config field refuses, or a run that is not training any more."""
 
 
 def read_run_state(raw: bytes) -> RunState:
@@ -140,6 +145,31 @@ class RunHandle:
         """End the run at the next step boundary; it exports the policy and completes."""
         self.client._run(self._handle().signal("stop"))
 
+    def set(self, changes: Sequence[str] | Mapping[str, Any] = (), /, **values: Any) -> LiveChange:
+        """Change hyper-parameters from the run's next step boundary:
+        `handle.set(["trainer.lr=1e-5"])` or `handle.set(**{"trainer.lr": 1e-5})`. The keys
+        that may change, and why, are in `ratchet.config.live_keys.LIVE`; values are checked
+        against the config's fields by the run itself (a Temporal update with a validator),
+        so a refused change never enters its history. Returns the values set, the ones they
+        replace and the step they apply from; LiveChangeRefused says why a change was refused."""
+        from temporalio.client import WorkflowUpdateFailedError
+        from temporalio.service import RPCError
+
+        from ratchet.config import ConfigError
+        from ratchet.config.live_keys import parse_assignments, refused_keys
+
+        asked = {**parse_assignments(changes), **values}
+        refused = refused_keys(list(asked))
+        if refused:
+            raise ConfigError(refused)
+        try:
+            return self.client._run(self._handle().execute_update("set_params", asked, result_type=LiveChange))
+        except WorkflowUpdateFailedError as exc:
+            cause = exc.cause
+            raise LiveChangeRefused(f"run {self.run_id}: {getattr(cause, 'message', None) or cause or exc}") from None
+        except RPCError as exc:
+            raise LiveChangeRefused(f"run {self.run_id} is not running, so nothing can change live ({exc})") from None
+
     def batches(self) -> list[BatchStatus]:
         """Batches in flight and ready, with the policy version of each."""
         return self.client._run(self._handle().query("batches", result_type=list[BatchStatus]))
@@ -168,6 +198,7 @@ class Client:
         self._temporal = temporal_client
         self._loop = loop
         self.task_queue = task_queue
+        self._has_search_attributes = False  # the namespace has ratchet's (checked until it has)
 
     @classmethod
     def connect(cls, address: str | None = None, *, namespace: str = "default", task_queue: str = TASK_QUEUE) -> "Client":
@@ -196,16 +227,36 @@ class Client:
             cfg = load_config(None, overrides, base=data)
         run_id = run_id or check_id(make_run_id(cfg.tracking.name), "run id made from tracking.name")
         inp = TrainingInput(run_id=run_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg))
+        self._start_run(inp, memo={"tags": cfg.tracking.tags, "model": cfg.model.path, "steps": cfg.loop.steps})
+        return RunHandle(self, run_id)
+
+    def _start_run(self, inp: TrainingInput, **options: Any) -> None:
+        """Start a training workflow as the Temporal UI shows it: a one-line summary and the
+        config in short as its details, and, when the namespace has ratchet's search
+        attributes, those set at start and the workflow told to upsert them as it goes
+        (`inp.search_attributes`). Without them the run starts plain: a server not set up
+        (docs/temporal_ui.md) must not stop a run. `options` go to `start_workflow`."""
+        from ratchet.workflows import search_attributes as sa
+
+        from .search import attributes_available, previous_lineage
+
+        if not self._has_search_attributes:
+            self._has_search_attributes = self._run(attributes_available(self._temporal))
+        lineage = inp.lineage
+        if inp.resume is not None and lineage == type(lineage)():
+            lineage = self._run(previous_lineage(self._temporal, inp.run_id)) or lineage  # a resumed trial or fork
+        inp.search_attributes = self._has_search_attributes
+        if inp.search_attributes:
+            step = inp.resume.next_step if inp.resume is not None else 0
+            options.setdefault("search_attributes", sa.resumed_attributes(inp.config, lineage, step))
         self._run(
             self._temporal.start_workflow(
-                WORKFLOW,
-                inp,
-                id=run_id,
-                task_queue=self.task_queue,
-                memo={"tags": cfg.tracking.tags, "model": cfg.model.path, "steps": cfg.loop.steps},
-            )
+                WORKFLOW, inp, id=inp.run_id, task_queue=self.task_queue,
+                static_summary=sa.static_summary(inp.run_id, inp.config, lineage),
+                static_details=sa.static_details(inp.run_id, inp.config, lineage),
+                **options,
+            )  # fmt: skip
         )
-        return RunHandle(self, run_id)
 
     def resume(
         self, run_id: str, overrides: Sequence[str] = (), *, root: str | None = None, checkpoint: str | None = None
@@ -246,9 +297,10 @@ class Client:
         state = read_run_state(run_store.get_bytes(RunLayout.checkpoint(info.name, RunLayout.RUN_STATE)))
         if "algorithm.kl.coef" in changed:
             state.kl_coef = cfg.algorithm.kl.coef  # the saved (possibly adapted) one would override it
+        state.live.values = {k: v for k, v in state.live.values.items() if k not in changed}  # the override wins
         newer = [c for c in checkpoints.list() if c.step is not None and info.step is not None and c.step > info.step]
         inp = TrainingInput(run_id=run_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg), resume=state, restore=True)
-        self._run(self._temporal.start_workflow(WORKFLOW, inp, id=run_id, task_queue=self.task_queue))
+        self._start_run(inp)
         # Newer checkpoints belong to the continuation being abandoned: recovery in the
         # resumed run must not restore one of them. Retired (not deleted), and only now that
         # the resumed run exists: a refused start leaves the run's checkpoints as they were.
@@ -257,8 +309,41 @@ class Client:
             _retire_unless_rewritten(checkpoints, old)
         return RunHandle(self, run_id)
 
+    def fork(
+        self, run_id: str, checkpoint: str, overrides: Sequence[str] = (), *, root: str | None = None, new_run_id: str | None = None
+    ) -> RunHandle:
+        """A new run that starts from checkpoint `checkpoint` (`step-20`) of run `run_id`,
+        with `overrides` (the keys a resume may change: ratchet.config.resume_keys), linked
+        to its parent (TrainingInput.lineage). The parent's folder is only read; see
+        ratchet/platform/fork.py."""
+        from .fork import fork
+
+        return fork(self, run_id, checkpoint, overrides, root=root, new_run_id=new_run_id)
+
+    def find(self, where: str, *, limit: int = 200):
+        """Runs by their search attributes: `client.find("ratchet_reward > 0.3")` ->
+        list[RunListing], newest first; InvalidQuery names the attributes there are
+        (ratchet/platform/search.py)."""
+        from .search import find_runs
+
+        return self._run(find_runs(self._temporal, where, limit=limit))
+
     def get(self, run_id: str) -> RunHandle:
         return RunHandle(self, check_id(run_id))
+
+    def sweep(self, spec: Any, overrides: Sequence[str] = (), *, sweep_id: str | None = None):
+        """Validate a sweep spec (a YAML path, a mapping or a SweepSpec; `sweep.KEY=V`
+        overrides set spec keys, others the base run config) and every trial config known
+        up front, then start the sweep; a SweepHandle (progress, result, pause, resume,
+        cancel). ratchet/platform/sweeps.py."""
+        from .sweeps import start_sweep
+
+        return start_sweep(self, spec, overrides, sweep_id=sweep_id)
+
+    def get_sweep(self, sweep_id: str):
+        from .sweeps import SweepHandle
+
+        return SweepHandle(self, check_id(sweep_id, "sweep id"))
 
     def close(self) -> None:
         self._loop.close()

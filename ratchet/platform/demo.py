@@ -19,10 +19,14 @@ from typing import Sequence
 
 from rich.console import Console
 
+from ratchet.registry.urls import ENV as REGISTRY_ENV
+from ratchet.registry.urls import sqlite_url
+
 from .assets import prepare_assets
 from .client import RECIPE_PATH as RECIPE
 from .client import Client
-from .services import ServiceSettings, ray_address, ray_auth_env, temporal_address, up
+from .plot import plot_or_reason
+from .services import ServiceSettings, mlflow_ui_url, ray_address, ray_auth_env, temporal_address, up
 from .watch import summary_table, watch
 
 
@@ -33,6 +37,9 @@ def start_worker_process(settings: ServiceSettings) -> subprocess.Popen:
     env = dict(os.environ, RATCHET_TEMPORAL_ADDRESS=temporal_address(settings), RATCHET_RAY_ADDRESS=ray_address(settings))
     # The token's path (not the token) in the environment: the worker joins Ray with it.
     env.update(ray_auth_env(settings))
+    # The run registry of these services' state folder, unless the user named another.
+    env.setdefault(REGISTRY_ENV, sqlite_url(settings.state_dir))
+    env["RATCHET_STATE_DIR"] = str(settings.state_dir)  # the trackers' default stores: <state>/mlflow.db, <state>/wandb
     with open(log_dir / "worker.log", "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "ratchet.platform.worker"], env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -76,6 +83,8 @@ def run_demo(settings: ServiceSettings, overrides: Sequence[str], console: Conso
     up(settings)
     ui_url = f"http://{settings.host}:{settings.temporal_ui_port}"
     console.print(f"      Temporal UI: {ui_url}")
+    if mlflow_ui_url(settings):
+        console.print(f"      MLflow UI: {mlflow_ui_url(settings)} (starts in the background; `ratchet status` says when it answers)")
     console.print("[bold]3/4[/bold] starting a worker")
     worker = start_worker_process(settings)
     try:
@@ -88,6 +97,7 @@ def run_demo(settings: ServiceSettings, overrides: Sequence[str], console: Conso
     wall = time.perf_counter() - t0
     console.print(summary_table(summary, wall, ui_url))
     console.print("services are still up for browsing; stop them with `ratchet down`")
+    console.print(f"plot: {plot_or_reason([summary.run_id], state / 'plots' / f'{summary.run_id}.png', str(state / 'runs'))}")
     line = {
         "run_id": summary.run_id,
         "steps": summary.steps,

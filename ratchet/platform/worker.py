@@ -86,14 +86,17 @@ def connect_ray(address: str, auth_env: dict[str, str] | None = None) -> None:
 def build_worker(client, settings: WorkerSettings, executor: ThreadPoolExecutor):
     from temporalio.worker import Worker
 
+    from ratchet.activities.sweep_trials import SWEEP_ACTIVITIES
     from ratchet.activities.training import ALL_ACTIVITIES
+    from ratchet.workflows.launch import ScheduledLaunchWorkflow
+    from ratchet.workflows.sweep import SweepWorkflow
     from ratchet.workflows.training import TrainingWorkflow
 
     return Worker(
         client,
         task_queue=settings.task_queue,
-        workflows=[TrainingWorkflow],
-        activities=ALL_ACTIVITIES,
+        workflows=[TrainingWorkflow, SweepWorkflow, ScheduledLaunchWorkflow],
+        activities=[*ALL_ACTIVITIES, *SWEEP_ACTIVITIES],
         activity_executor=executor,
         max_concurrent_activities=settings.max_concurrent_activities,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_schedule_to_start_seconds),

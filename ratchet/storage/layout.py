@@ -31,8 +31,14 @@ class RunLayout:
     # -- the run ------------------------------------------------------------------------
     # activities.prepare_run writes the validated config; every activity (_run_config) and Client.resume read it.
     CONFIG: Final = "config.json"
+    # activities.prepare_run writes where the run comes from (a fork's parent, a sweep trial);
+    # a registry rebuilt from the store reads it.
+    LINEAGE: Final = "lineage.json"
     # activities.record_step writes one line per step (MetricsLog); users, dashboards and `ratchet watch` read it.
     METRICS: Final = "metrics.jsonl"
+    # ratchet.tracking writes which MLflow run / wandb id holds this run and the last step each
+    # has; a later worker (a resume, a recovery) continues the same tracker runs from it.
+    TRACKING: Final = "tracking.json"
 
     # -- batches (BatchStore kinds; a batch's parts are `<kind>/step-NNNNNN/<part>.safetensors`,
     # NNNNNN the batch index: not the training step once fully_async drops a batch) --

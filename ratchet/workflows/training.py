@@ -32,8 +32,8 @@ The workflow is the controller with the global view (HybridFlow): it owns the ru
 (step, policy versions, prompt frontier, ready batches) and tells workers what to do; the
 workers are caches of that state. Everything here is deterministic (DESIGN.md, rule 8):
 no torch, no Ray, no clocks but `workflow.now()`; activities are called by name with
-dataclasses from `ratchet.types`. `pause`, `resume` and `stop` take effect at a step
-boundary in every mode.
+dataclasses from `ratchet.types`. `pause`, `resume`, `stop` and the `set_params` update (live
+hyper-parameters: workflows/live.py) take effect at a step boundary in every mode.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError, FailureError
@@ -79,11 +80,15 @@ from ratchet.types import (
     WarmupOutput,
 )
 from ratchet.workflows import scheduling as sched
+from ratchet.workflows import search_attributes as sa
 from ratchet.workflows.modes import LOOP_MODES
 from ratchet.workflows.phases import PHASES, RETRY
+from ratchet.workflows import live
 
 # Sync runs started before the `step` activity existed replay their per-phase history.
 FUSED_SYNC_STEP = "sync-step-activity"
+# Runs started before the workflow upserted its search attributes replay without them.
+SEARCH_ATTRIBUTES = "search-attributes"
 
 
 @workflow.defn(name="TrainingWorkflow")
@@ -97,6 +102,7 @@ class TrainingWorkflow:
         self._paused = False
         self._held_at_boundary = False  # the loop waits at a step boundary while paused
         self._stopping = False
+        self._live = live.LiveSettings()  # hyper-parameters set while the run trains (set_params)
         self._in_flight: dict[int, int] = {}  # batch index -> version generating it
         self._in_flight_prompts: dict[int, list[int]] = {}  # batch index -> prompt starts taken
         # The rollout engine runs one thing at a time: a generation, a weight sync or an
@@ -107,6 +113,7 @@ class TrainingWorkflow:
         self._training = False  # fully_async: an update is running
         self._trained_unrecorded = False  # fully_async: updated, its step not counted yet
         self._recording: asyncio.Future | None = None  # the latest step's metrics line, being written
+        self._search_attributes = False  # the namespace has them: upsert (TrainingInput.search_attributes)
 
     # -- signals and queries -------------------------------------------------------------
 
@@ -122,6 +129,26 @@ class TrainingWorkflow:
     def stop(self) -> None:
         """Finish at the next step boundary: export the policy and complete."""
         self._stopping = True
+
+    @workflow.update
+    def set_params(self, values: dict[str, Any]) -> live.LiveChange:
+        """Change hyper-parameters of the running run from the next step boundary (keys and
+        why: ratchet/config/live_keys.py). The update itself is the change's record in the
+        history; it answers with the step the values apply from."""
+        changes = self._live.check(self._state, values, closing=None)
+        return self._live.accept(self._run_id, self._state, changes)
+
+    @set_params.validator
+    def _check_params(self, values: dict[str, Any]) -> None:
+        """Refuse, before it enters the history, a key that cannot change live, a value its
+        config field refuses, or a change to a run that has no step left."""
+        s, plan = self._state, self._plan
+        closing = None
+        if self._stopping:
+            closing = "a stop was asked for; it ends at the next step boundary"
+        elif self._phase in ("finish_run", "completed", "stopped", "continuing") or (s and plan and s.next_step >= plan.steps):
+            closing = "it has no step left to train (it is finishing)"
+        self._live.check(s, values, closing=closing)
 
     @workflow.query
     def progress(self) -> Progress:
@@ -153,6 +180,8 @@ class TrainingWorkflow:
     @workflow.run
     async def run(self, inp: TrainingInput) -> RunSummary:
         self._run_id, self._plan = inp.run_id, inp.plan
+        self._live.config = inp.config
+        self._search_attributes = inp.search_attributes
         try:
             return await self._run(inp)
         except workflow.NondeterminismError:
@@ -166,6 +195,7 @@ class TrainingWorkflow:
             # otherwise hold the run's CPUs forever. A cancelled workflow may still run
             # activities, so this runs on cancellation too.
             phase = self._phase
+            self._show(sa.Status.CANCELLED if isinstance(exc, asyncio.CancelledError) else sa.Status.FAILED)
             await self._release_actors(exc)
             if isinstance(exc, (asyncio.CancelledError, FailureError)):
                 raise  # an activity's failure (its cause named), or the cancellation
@@ -192,6 +222,7 @@ class TrainingWorkflow:
         await self._records_written()
         if can:
             self._phase = "continuing"
+            self._live.apply(state)  # a change not yet applied travels in the state
             # The workers and the version floor carry over as they are: the next run only
             # takes the state (restore=False), it does not rebuild from a checkpoint again.
             workflow.continue_as_new(replace(inp, resume=state, restore=False))
@@ -199,6 +230,7 @@ class TrainingWorkflow:
             await self._evaluate(state, state.next_step)
         done: FinishOutput = await self._call("finish_run", FinishInput(state.run, state.policy_version), FinishOutput)
         self._phase = "stopped" if self._stopping else "completed"
+        self._show(sa.Status.STOPPED if self._stopping else sa.Status.COMPLETED)
         return RunSummary(
             run_id=state.run.run_id,
             run_uri=state.run.run_uri,
@@ -217,12 +249,13 @@ class TrainingWorkflow:
     async def _release_actors(self, cause: BaseException) -> None:
         """Kill the run's actors; a failure here is logged, the run's own error is the one raised."""
         try:
-            await self._call("release_run", ReleaseInput(self._run_id), ReleaseOutput)
+            reason = "cancelled" if isinstance(cause, asyncio.CancelledError) else "failed"
+            await self._call("release_run", ReleaseInput(self._run_id, reason), ReleaseOutput)
         except Exception:
             workflow.logger.warning("run %s: releasing its actors after %r failed", self._run_id, cause, exc_info=True)
 
     async def _begin(self, start: TrainingInput) -> RunState:
-        prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config), PrepareOutput)
+        prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config, start.lineage), PrepareOutput)
         warm: WarmupOutput = await self._call("warmup", WarmupInput(prep.run), WarmupOutput)
         await self._call("start_workers", StartWorkersInput(prep.run, warm.policy_uri), StartWorkersOutput)
         state = RunState(
@@ -240,7 +273,7 @@ class TrainingWorkflow:
         """A resume from a checkpoint's run state: store the (possibly changed) config and
         rebuild the workers at the checkpoint's version."""
         state = start.resume
-        prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config), PrepareOutput)
+        prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config, start.lineage), PrepareOutput)
         state.run = prep.run
         await self._call("start_workers", StartWorkersInput(prep.run, "", restore_version=state.policy_version), StartWorkersOutput)
         # Older weights than the checkpoint's are not kept: no batch is scheduled on them.
@@ -380,10 +413,14 @@ class TrainingWorkflow:
             # The phase says "paused" for as long as the loop waits here, whatever a batch
             # still finishing in the background (fully_async) calls meanwhile.
             self._held_at_boundary = True
+            self._show(sa.Status.PAUSED)
             try:
                 await workflow.wait_condition(lambda: not self._paused or self._stopping)
             finally:
                 self._held_at_boundary = False
+            self._show(sa.Status.RUNNING)
+        if not self._stopping and self._state is not None:
+            self._live.apply(self._state)  # changes set since the last boundary start here
         return not self._stopping
 
     def _continue_as_new_suggested(self, state: RunState, plan: LoopPlan) -> bool:
@@ -400,6 +437,9 @@ class TrainingWorkflow:
             start_to_close_timeout=p.timeout,
             heartbeat_timeout=timedelta(seconds=self._plan.heartbeat_timeout_s) if p.heartbeat else None,
             retry_policy=RETRY,
+            # The UI's label for this call ("generate batch 12 with v11"); metadata only,
+            # so histories recorded without it still replay.
+            summary=sa.activity_summary(phase, arg, self._state.next_step if self._state else 0),
         )
 
     def _take_prompts(self, state: RunState, plan: LoopPlan, index: int) -> int:
@@ -470,7 +510,7 @@ class TrainingWorkflow:
                 policy_version=version,
                 exact_version=plan.deterministic,
             )
-            inp = StepInput(rollout, state.policy_version, kl_coef=state.kl_coef)
+            inp = StepInput(rollout, state.policy_version, kl_coef=state.kl_coef, live=dict(state.live.values))
             async with self._rollout_lock:
                 out: StepOutput = await self._call("step", inp, StepOutput)
         finally:
@@ -485,7 +525,9 @@ class TrainingWorkflow:
     async def _train(self, state: RunState, rounds: list[ScoredBatch]) -> TrainOutput:
         first = rounds[0].batch
         trained: TrainOutput = await self._call(
-            "train", TrainInput(state.run, first, state.policy_version, kl_coef=state.kl_coef, parts=len(rounds)), TrainOutput
+            "train",
+            TrainInput(state.run, first, state.policy_version, kl_coef=state.kl_coef, parts=len(rounds), live=dict(state.live.values)),
+            TrainOutput,
         )
         state.policy_version = trained.policy_version
         state.kl_coef = trained.kl_coef
@@ -534,6 +576,7 @@ class TrainingWorkflow:
         state.record_reward(sched.reward_mean(rounds))
         state.next_step = step + 1
         self._trained_unrecorded = False
+        self._live.step_running = False
         self._tokens_per_second = sched.tokens_per_second(rounds)
         metrics = sched.step_metrics(
             state,
@@ -546,12 +589,14 @@ class TrainingWorkflow:
             staleness=staleness,
         )
         self._rollout_busy_seconds = 0.0
+        metrics.update(live.step_metrics(state, step))  # the values set live, and `live_changed`
         checkpoint_due = sched.checkpoint_due(plan, state.next_step)
         eval_due = sched.eval_due(plan, state.next_step)
         if not (checkpoint_due or eval_due):
             # Nothing here needs the trainer to wait: the metrics line is written while the
             # next step starts (in step order), which keeps a workflow task off its path.
             self._recording = asyncio.ensure_future(self._write_record(StepRecord(state.run, step, metrics), self._recording))
+            self._show()
             return
         await self._records_written()
         if checkpoint_due:
@@ -561,14 +606,38 @@ class TrainingWorkflow:
             await self._evaluate(state, state.next_step)
             metrics["eval_reward"] = state.eval_rewards[str(state.next_step)]
         await self._write_record(StepRecord(state.run, step, metrics), None)
+        self._show()
+
+    def _show(self, status: str | None = None) -> None:
+        """The run as the Temporal UI shows it: the current details (step, reward, policy
+        version) always; the search attributes (step, rewards, `status` when given) when the
+        namespace has them. Called once per step and at pause, resume and the end, never per
+        activity: each upsert is an event in the history."""
+        s, plan = self._state, self._plan
+        if s is None or plan is None:
+            return
+        evals = s.eval_rewards
+        eval_reward = evals[max(evals, key=int)] if evals else None
+        label = status or ("paused" if self._held_at_boundary else sa.Status.RUNNING)
+        workflow.set_current_details(
+            sa.current_details(
+                phase=label, step=s.next_step, total_steps=plan.steps, policy_version=s.policy_version,
+                reward=s.latest_reward, eval_reward=eval_reward,
+            )  # fmt: skip
+        )
+        if self._search_attributes and workflow.patched(SEARCH_ATTRIBUTES):
+            workflow.upsert_search_attributes(
+                sa.progress_updates(step=s.next_step, reward=s.latest_reward, eval_reward=eval_reward, status=status)
+            )
 
     async def _write_record(self, record: StepRecord, before: asyncio.Future | None) -> None:
         if before is not None:
             await before
         # A local activity: a few milliseconds of file I/O need no task-queue round trip.
         await workflow.execute_local_activity(
-            "record_step", record, start_to_close_timeout=PHASES["record_step"].timeout, retry_policy=RETRY
-        )
+            "record_step", record, start_to_close_timeout=PHASES["record_step"].timeout, retry_policy=RETRY,
+            summary=sa.activity_summary("record_step", record, record.step),
+        )  # fmt: skip
 
     async def _records_written(self) -> None:
         """Wait for the metrics lines still being written (before a checkpoint, an

@@ -25,6 +25,8 @@ OLD_KEYS = {
     "DEFAULT_ROOT": ".ratchet/runs",
     "CONFIG": "config.json",
     "METRICS": "metrics.jsonl",
+    "TRACKING": "tracking.json",
+    "LINEAGE": "lineage.json",
     "BATCHES": "batches",
     "EVALS": "evals",
     "TRAIN_LOG": "train_log",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import processes, ray_head, temporal_server
+from . import mlflow_ui, processes, ray_head, temporal_server
 from .ports import check_port_free
 from .report import ServicesStatus, status
 from .settings import PORT_ENV, RAY_WORKER_PORTS, ServiceError, ServiceSettings, object_store_root
@@ -103,6 +103,7 @@ def up(settings: ServiceSettings | None = None) -> ServicesStatus:
             services["ray"] = ray_head.start(settings)
             started.append("ray")
             save_state(settings, state)
+        mlflow_ui.ensure(settings, state, started)  # in the background; never fails `up`
 
         # Object store: a local folder.
         object_store_root(settings).mkdir(parents=True, exist_ok=True)
@@ -122,7 +123,7 @@ def down(settings: ServiceSettings | None = None) -> list[str]:
     with locked(settings):
         state = load_state(settings)
         services = state["services"]
-        for name, stop in (("ray", ray_head.stop), ("temporal", temporal_server.stop)):
+        for name, stop in (("mlflow_ui", mlflow_ui.stop), ("ray", ray_head.stop), ("temporal", temporal_server.stop)):
             rec = services.get(name)
             if rec is None:
                 continue

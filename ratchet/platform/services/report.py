@@ -6,11 +6,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import ray_head, temporal_server
+from . import mlflow_ui, ray_head, temporal_server
 from .ports import can_connect
 from .settings import (
     ServiceSettings,
     object_store_root,
+    mlflow_ui_url,
     ray_address,
     temporal_address,
     temporal_ui_url,
@@ -51,6 +52,10 @@ class ServicesStatus:
     # and where its token lives (the path, never the token).
     ray_auth_mode: str | None = None
     ray_auth_token_path: str | None = None
+    # The MLflow UI (the dashboard): None when not asked for; `detail` says why it does
+    # not answer (still starting, could not start, exited).
+    mlflow_ui: ServiceState | None = None
+    mlflow_ui_url: str | None = None
 
     @property
     def all_running(self) -> bool:
@@ -93,6 +98,7 @@ def status(settings: ServiceSettings | None = None) -> ServicesStatus:
         r_addr = ray_address(settings)
         ray = _unmanaged("ray", settings.host, settings.ray_port, r_addr)
 
+    mlflow, mlflow_url = _mlflow_ui(settings, services.get("mlflow_ui"))
     return ServicesStatus(
         temporal=temporal,
         ray=ray,
@@ -105,4 +111,16 @@ def status(settings: ServiceSettings | None = None) -> ServicesStatus:
         ray_temp_dir=rec_r.get("temp_dir") if rec_r else None,
         ray_auth_mode=rec_r.get("auth_mode") if rec_r else None,
         ray_auth_token_path=rec_r.get("auth_token_path") if rec_r else None,
+        mlflow_ui=mlflow,
+        mlflow_ui_url=mlflow_url,
     )
+
+
+def _mlflow_ui(settings: ServiceSettings, rec: dict | None) -> tuple[ServiceState | None, str | None]:
+    if rec:
+        answers, detail = mlflow_ui.describe(rec)
+        return ServiceState("mlflow_ui", answers, rec["url"], rec.get("pid"), mlflow_ui.is_ours(rec), detail), rec["url"]
+    url = mlflow_ui_url(settings)
+    if url is None:
+        return None, None
+    return _unmanaged("mlflow_ui", settings.host, settings.mlflow_ui_port, url), url  # type: ignore[arg-type]

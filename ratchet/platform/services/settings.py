@@ -20,6 +20,7 @@ __all__ = [
     "ray_address",
     "temporal_address",
     "temporal_ui_url",
+    "mlflow_ui_url",
 ]
 
 DEFAULT_STATE_DIR = Path(".ratchet")
@@ -71,6 +72,18 @@ def _env_port(name: str, default: int) -> int:
         raise ServiceError(f"{name} must be a TCP port number, got {raw!r}") from None
 
 
+MLFLOW_UI_PORT_ENV = "RATCHET_MLFLOW_UI_PORT"
+DEFAULT_MLFLOW_UI_PORT = 5000
+
+
+def _mlflow_ui_port() -> int | None:
+    """RATCHET_MLFLOW_UI_PORT: a port, or 0 / off for no MLflow UI; default 5000."""
+    raw = (os.environ.get(MLFLOW_UI_PORT_ENV) or "").strip().lower()
+    if raw in ("0", "off", "false", "no", "none"):
+        return None
+    return _env_port(MLFLOW_UI_PORT_ENV, DEFAULT_MLFLOW_UI_PORT)
+
+
 def _under_state_dir(*parts: str) -> property:
     return property(lambda self: self.state_dir.joinpath(*parts), doc=f"<state_dir>/{'/'.join(parts)}")
 
@@ -88,6 +101,9 @@ class ServiceSettings:
     namespace: str = "default"
     start_timeout_s: float = 30.0
     stop_timeout_s: float = 10.0
+    # The MLflow UI (services/mlflow_ui.py). None: not started, the default for settings
+    # built in code (tests); `from_env`, which the CLI uses, asks for 5000.
+    mlflow_ui_port: int | None = None
 
     def __post_init__(self) -> None:
         # Absolute, so that the recorded paths do not depend on a later cwd.
@@ -96,6 +112,10 @@ class ServiceSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 < value < 65536:
                 raise ServiceError(f"{name} must be a TCP port in 1..65535, got {value!r}")
+        if self.mlflow_ui_port is not None and (isinstance(self.mlflow_ui_port, bool) or not isinstance(self.mlflow_ui_port, int) or not 0 < self.mlflow_ui_port < 65536):
+            raise ServiceError(f"mlflow_ui_port must be a TCP port in 1..65535 or None (no MLflow UI), got {self.mlflow_ui_port!r}")
+        if self.mlflow_ui_port in (self.temporal_port, self.temporal_ui_port, self.ray_port):
+            raise ServiceError(f"mlflow_ui_port {self.mlflow_ui_port} is already taken by another service; set {MLFLOW_UI_PORT_ENV}=<port>")
         ports = [self.temporal_port, self.temporal_ui_port, self.ray_port]
         if len(set(ports)) != len(ports):
             raise ServiceError(
@@ -112,6 +132,7 @@ class ServiceSettings:
             "temporal_port": _env_port(PORT_ENV["temporal_port"], 7233),
             "temporal_ui_port": _env_port(PORT_ENV["temporal_ui_port"], 8233),
             "ray_port": _env_port(PORT_ENV["ray_port"], 6380),
+            "mlflow_ui_port": _mlflow_ui_port(),
         }
         values.update(overrides)
         return cls(**values)
@@ -123,6 +144,7 @@ class ServiceSettings:
     temporal_log = _under_state_dir("logs", "temporal.log")
     ray_log = _under_state_dir("logs", "ray.log")
     ray_token_file = _under_state_dir(RAY_TOKEN_FILE)
+    mlflow_ui_log = _under_state_dir("logs", "mlflow-ui.log")
 
 
 def temporal_address(settings: ServiceSettings) -> str:
@@ -132,6 +154,10 @@ def temporal_address(settings: ServiceSettings) -> str:
 
 def temporal_ui_url(settings: ServiceSettings) -> str:
     return f"http://{settings.host}:{settings.temporal_ui_port}"
+
+
+def mlflow_ui_url(settings: ServiceSettings) -> str | None:
+    return f"http://{settings.host}:{settings.mlflow_ui_port}" if settings.mlflow_ui_port else None
 
 
 def ray_address(settings: ServiceSettings) -> str:

@@ -49,6 +49,31 @@ def probe(address: str, namespace: str, timeout: float) -> None:
     _run_sync(describe)
 
 
+def ensure_search_attributes(address: str, namespace: str, timeout: float) -> list[str]:
+    """Create ratchet's search attributes the namespace lacks; the names created. The
+    start-dev flags register them only when the database file is new: a server started on
+    the file of an older `ratchet up` keeps the set it was created with."""
+    from ratchet.workflows import search_attributes as sa
+
+    async def ensure() -> list[str]:
+        from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+        from temporalio.client import Client
+
+        client = await asyncio.wait_for(Client.connect(address, namespace=namespace), timeout)
+        have = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
+        wrong = [k.name for k in sa.ALL_KEYS if k.name in have.custom_attributes and have.custom_attributes[k.name] != int(k.indexed_value_type)]
+        if wrong:
+            logger.warning("search attributes %s exist with another type; runs start without ratchet's attributes", wrong)
+        add = {k.name: int(k.indexed_value_type) for k in sa.ALL_KEYS if k.name not in have.custom_attributes}
+        if add:
+            await client.operator_service.add_search_attributes(
+                AddSearchAttributesRequest(search_attributes=add, namespace=namespace), timeout=_dt.timedelta(seconds=timeout)
+            )
+        return sorted(add)
+
+    return _run_sync(ensure)
+
+
 def is_ours(rec: dict[str, Any] | None) -> bool:
     """The recorded server process still runs (not a process that reused its pid)."""
     return bool(rec) and processes.same_process(rec.get("pid"), rec.get("start_ticks"))  # type: ignore[union-attr]
@@ -57,6 +82,12 @@ def is_ours(rec: dict[str, Any] | None) -> bool:
 def healthy(rec: dict[str, Any] | None) -> bool:
     """The recorded server still runs and its frontend accepts connections."""
     return is_ours(rec) and can_connect(rec["host"], rec["port"])  # type: ignore[index]
+
+
+def search_attribute_flags() -> list[str]:
+    from ratchet.workflows.search_attributes import dev_server_flags
+
+    return dev_server_flags()
 
 
 def _command(settings: ServiceSettings) -> list[str]:
@@ -75,6 +106,9 @@ def _command(settings: ServiceSettings) -> list[str]:
         # worker with the workflow task's reply: one round trip less per step.
         "--dynamic-config-value", "system.enableActivityEagerExecution=true",
         "--log-level", "warn",
+        # ratchet's search attributes (experiment, step, reward, ...) on a new database file;
+        # `ensure_search_attributes` adds them to an older one.
+        *search_attribute_flags(),
     ]  # fmt: skip
     if settings.namespace != "default":
         cmd += ["--namespace", settings.namespace]
@@ -128,6 +162,12 @@ def start(settings: ServiceSettings) -> dict[str, Any]:
                 f"Last lines of {log_path}:\n{processes.log_tail(log_path)}"
             )
         time.sleep(0.1)
+    try:
+        added = ensure_search_attributes(rec["address"], settings.namespace, timeout=10.0)
+        if added:
+            logger.info("created search attributes %s in namespace %r", added, settings.namespace)
+    except Exception as e:  # noqa: BLE001 - runs work without them (not searchable); say so
+        logger.warning("could not create ratchet's search attributes (%s: %s); runs start without them", type(e).__name__, e)
     rec["ready_at"] = now()
     logger.info("Temporal ready at %s (UI %s)", rec["address"], rec["ui_url"])
     return rec

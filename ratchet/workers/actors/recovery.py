@@ -52,8 +52,10 @@ def restore_trainers(actors: RunActors, expected_version: int) -> list:
             version = actors.wait([a.restore.remote(str(Path(tmp) / ckpt.name)) for a in ranks])[0]
             source = f"checkpoint {ckpt.name}"
     for entry, v in _logged_updates(actors, store, version, expected_version):
-        # With the optimizer settings the update used (a resume may have changed them since).
-        actors.wait([a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"], entry.get("optimizer")) for a in ranks])
+        # With the optimizer settings and live values the update used (a resume or a live
+        # change may have changed them since); the next update gets the values in force.
+        hyper, live = entry.get("optimizer"), entry.get("live")
+        actors.wait([a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"], hyper, live=live) for a in ranks])
     log.warning(
         "run %s: trainer rebuilt at v%d from %s and %d replayed updates in %.1f s",
         actors.run_id, expected_version, source, expected_version - version, time.perf_counter() - t0,

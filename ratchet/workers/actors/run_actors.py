@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # How long a trainer rank that survived an earlier start may take to answer.
 PROBE_TIMEOUT_S = 10.0
+# Actors (by id) this process saw constructed: a step's path skips asking them again.
+_CONSTRUCTED: set[str] = set()
 
 
 @dataclass
@@ -215,16 +217,14 @@ class RunActors:
 
         return RolloutPool(self).generate(batch_index, prompt_start, prompt_count, policy_version, part=part, exact=exact)
 
-    def generate_shares(
-        self, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, *, part: int = 0, exact: bool = False
-    ) -> list:
-        """The batch generated over the replicas but not stored: ObjectRefs of its
-        `RolloutShare`s in batch order (hand them on in memory; `RolloutBatch.concat` of
-        their batches is the batch `generate` would store). Colocated: call
-        `sleep_rollouts` before the trainer runs."""
+    def rollout_pool(self):
+        """The rollout replicas as one pool (rollout_pool.py). Its `generate_shares` gives a
+        batch generated over them but not stored (ObjectRefs of `RolloutShare`s in batch
+        order, to hand on in memory; colocated: call `sleep_rollouts` before the trainer
+        runs); after it, `.healthy` holds the replicas that generated it."""
         from .rollout_pool import RolloutPool
 
-        return RolloutPool(self).generate_shares(batch_index, prompt_start, prompt_count, policy_version, part=part, exact=exact)
+        return RolloutPool(self)
 
     def _live_replica(self, rank: int):
         actor = self.find(Role.ROLLOUT, rank)
@@ -282,7 +282,10 @@ class RunActors:
     def reward(self):
         """The reward worker, constructed (its time limit covers scoring only)."""
         actor = self.find(Role.REWARD) or self.start_reward(self.initial_policy())
-        self.wait(actor.__ray_ready__.remote())
+        key = actor._actor_id.hex()
+        if key not in _CONSTRUCTED:  # once per actor: a recreated one has a new id
+            self.wait(actor.__ray_ready__.remote())
+            _CONSTRUCTED.add(key)
         return actor
 
     def score(self, batch_index: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
@@ -308,18 +311,24 @@ class RunActors:
                 "raise reward.timeout_s"
             ) from None
 
-    def sync_weights(self, version: int) -> "SyncResult":
+    def sync_weights(self, version: int, *, ranks: list | None = None, targets: list | None = None) -> "SyncResult":
         """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> every
         rollout replica, in buckets, by the transport the placement allows
         (config/sync_transport.py: Ray's object store, CUDA IPC when colocated on GPUs, NCCL
-        when split on GPUs); returns what was moved, how, and the version synced."""
+        when split on GPUs); returns what was moved, how, and the version synced.
+
+        `ranks` and `targets`: the trainer ranks that just made update v`version` and every
+        replica that just generated, from a caller that used them a moment ago (sync mode's
+        step): looked up and probed once per step instead of twice. A replica lost since
+        fails the load, and the step's retry looks them all up afresh."""
         from ratchet.config.sync_transport import Transport, choose_transport, ipc_partners
 
         from ..weight_sync.ray_transport import published_sync, stream_sync
 
         # Every rollout replica, all to one version: the live ones, a lost one recreated
         # (colocated engines woken up); one replica: [rollout-0].
-        targets = self.rollouts()
+        if targets is None or self.plan.colocated:
+            targets = self.rollouts()
         if self.cfg.uses_partial_rollouts:
             # A sync overlapping the next update: the buckets rank 0 published after its
             # last one, read without queueing behind the update running now.
@@ -330,7 +339,8 @@ class RunActors:
                 published = None
             if published is not None and published[0] >= version:
                 return published_sync(published, targets, self.wait)
-        ranks = self.trainers(version, at_least=True)
+        if ranks is None:
+            ranks = self.trainers(version, at_least=True)
         transport = choose_transport(self.plan, self.cfg)
         if transport is Transport.CUDA_IPC:
             from ..weight_sync.device_sync import ipc_sync

@@ -1,0 +1,150 @@
+"""What the training activities tell the run registry: one call per activity, never failing.
+
+The registry is a view of the object store (it can be rebuilt from it: `ratchet registry
+rebuild`), so a registry that is down, full or misconfigured must not fail or retry a
+training activity: every call here logs a warning and returns. The writes are upserts
+keyed by run id (and checkpoint name), so a retried activity writes the same rows again.
+The database is RATCHET_REGISTRY_URL (default: SQLite in the state folder); `off` turns
+the registry off for this worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+from ratchet import types as t
+from ratchet.registry import Registry, RunRecord, registry_enabled, registry_url, safe_url
+from ratchet.registry.rebuild import committed_checkpoints, describe_config, final_metrics
+from ratchet.storage import MetricsLog, ObjectStore
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., None])
+
+_registries: dict[str, Registry] = {}
+_lock = threading.Lock()
+# After a failure the registry is left alone this long: a database that does not answer
+# would otherwise hold every step up for its connect timeout.
+RETRY_AFTER_S = 60.0
+_retry_after = 0.0
+
+
+def registry() -> Registry | None:
+    """This process's registry (opened and migrated on first use, per URL); None when off."""
+    if not registry_enabled():
+        return None
+    url = registry_url()
+    with _lock:
+        if url not in _registries:
+            _registries[url] = Registry.open(url)  # a failure is not cached: the next call tries again
+        return _registries[url]
+
+
+def _never_fails(fn: F) -> F:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> None:
+        global _retry_after
+        if time.monotonic() < _retry_after:
+            log.debug("run registry: %s skipped (it failed less than %.0f s ago)", fn.__name__, RETRY_AFTER_S)
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            _retry_after = time.monotonic() + RETRY_AFTER_S
+            # The URL only with its password masked; the exception text can quote the URL
+            # (a connection error), so it is not logged, only its type.
+            url = safe_url(registry_url()) if registry_enabled() else "off"
+            log.warning(
+                "run registry %s: %s failed (%s); training carries on, the registry is tried again in %.0f s "
+                "(rebuild what it missed with `ratchet registry rebuild`)",
+                url,
+                fn.__name__,
+                type(exc).__name__,
+                RETRY_AFTER_S,
+            )
+            log.debug("registry failure", exc_info=_without_secrets(exc))
+
+    return call  # type: ignore[return-value]
+
+
+def _without_secrets(exc: BaseException) -> bool:
+    # Tracebacks of a connection error may hold the URL: only at DEBUG, and only when no
+    # password can be in it.
+    return "password" not in str(exc).lower() and "@" not in str(exc)
+
+
+@_never_fails
+def run_prepared(inp: t.PrepareInput, stored_config: dict[str, Any], digest: str) -> None:
+    """prepare_run: the run's description and lineage (a resume sets it running again)."""
+    reg = registry()
+    if reg is None:
+        return
+    lineage = inp.lineage or t.RunLineage()
+    described = describe_config(inp.run_id, stored_config)
+    reg.record_run(
+        RunRecord(
+            **{
+                **{f: getattr(described, f) for f in ("run_id", "name", "experiment", "algorithm", "loop_mode", "model", "config")},
+                "config_digest": digest,
+                "status": "running",
+                "parent_run_id": lineage.parent_run_id,
+                "parent_checkpoint": lineage.parent_checkpoint,
+                "sweep_id": lineage.sweep_id,
+                "trial_index": lineage.trial_index,
+            }
+        )
+    )
+
+
+@_never_fails
+def step_recorded(inp: t.StepRecord) -> None:
+    """record_step: the latest step and reward (and eval reward, on evaluated steps)."""
+    reg = registry()
+    if reg is None:
+        return
+    m = inp.metrics
+    reg.record_progress(inp.run.run_id, inp.step, m.get("reward_mean"), m.get("eval_reward"))
+
+
+@_never_fails
+def checkpoints_changed(run: t.RunRef) -> None:
+    """checkpoint and finish_run: the run's committed checkpoints as its store lists them
+    (one still uploading is recorded by the next call, once its manifest is written)."""
+    reg = registry()
+    if reg is None:
+        return
+    reg.sync_checkpoints(run.run_id, committed_checkpoints(ObjectStore(run.run_uri)))
+
+
+@_never_fails
+def run_finished(run: t.RunRef, total_steps: int) -> None:
+    """finish_run: completed with its final metrics (stopped when it ended before its
+    last step: the `stop` signal), and its checkpoints once the last one landed."""
+    reg = registry()
+    if reg is None:
+        return
+    store = ObjectStore(run.run_uri)
+    summary = final_metrics(MetricsLog(store).read())
+    status = "stopped" if summary.get("steps", 0) < total_steps else "completed"
+    reg.finish_run(run.run_id, status, summary)
+    reg.sync_checkpoints(run.run_id, committed_checkpoints(store))
+
+
+@_never_fails
+def run_released(inp: t.ReleaseInput) -> None:
+    """release_run (every end but completion): failed, or cancelled when the input says
+    so; a run already marked ended is left as it is."""
+    reg = registry()
+    if reg is None:
+        return
+    current = reg.run(inp.run_id)
+    if current is not None and current.status != "running":
+        return
+    reason = inp.reason or "failed"
+    reg.finish_run(inp.run_id, reason if reason in ("failed", "cancelled") else "failed", None)
+
+
+__all__ = ["checkpoints_changed", "registry", "run_finished", "run_prepared", "run_released", "step_recorded"]

@@ -1,0 +1,183 @@
+"""MLflow as a tracker: one MLflow run per ratchet run, in the experiment
+`tracking.experiment`, continued by id after a resume or a recovery.
+
+The default store is the state folder's SQLite file (uris.py); opening it the first time
+creates the schema (about a second), which is why `RunTracking` keeps one client per
+process. Points carry the metrics line's own wall-clock stamp, so MLflow's wall-time axis
+is the run's, not the time the point reached MLflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from .base import RunInfo, flatten
+from .uris import MLFLOW_ARTIFACTS, mlflow_artifacts_dir, mlflow_uri, redact
+
+log = logging.getLogger(__name__)
+
+# MLflow's limits: 100 params / 1000 metrics per batch, 6000 characters per param value.
+_PARAMS_PER_BATCH = 100
+_METRICS_PER_BATCH = 1000
+_PARAM_CHARS = 6000
+# A key every step line has: its history tells how far a continued run got.
+STEP_KEY = "reward_mean"
+
+
+def quiet_mlflow_env(env: dict | None = None) -> dict:
+    """MLflow's telemetry off (no connection leaves the machine for a local store) and a
+    remote server given up on after seconds, not minutes of retries: a tracker that is
+    down must not hold the tracking thread. A user's own values win."""
+    env = os.environ if env is None else env
+    for key, value in (
+        ("MLFLOW_DISABLE_TELEMETRY", "true"),
+        ("DO_NOT_TRACK", "true"),
+        ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"),
+        ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"),
+    ):
+        env.setdefault(key, value)
+    return env
+
+
+def create_sqlite_store(path: Path) -> None:
+    """Create MLflow's SQLite store at `path` unless it exists, atomically: its schema is
+    built in a file of its own (about a hundred migrations, seconds) and linked into place
+    only when complete. A process killed half-way (a worker, a test's interpreter exiting
+    under the tracking thread) leaves a stray temporary file, never a store that is half a
+    schema, which MLflow would refuse for good."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", (path.parent / MLFLOW_ARTIFACTS).as_uri())
+        store.engine.dispose()
+        try:
+            os.link(tmp, path)  # fails if another process got there first: theirs stays
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class MlflowTracker:
+    name = "mlflow"
+
+    def __init__(self, uri: str | None = None):
+        quiet_mlflow_env()
+        from mlflow import MlflowClient  # imported here: seconds, and only when MLflow is on
+
+        self.uri = mlflow_uri(uri)
+        if self.uri.startswith("sqlite:///"):
+            create_sqlite_store(Path(self.uri[len("sqlite:///") :]))
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.run_id: str | None = None
+
+    def __repr__(self) -> str:
+        return f"MlflowTracker({redact(self.uri)!r}, run {self.run_id})"
+
+    # -- the run ----------------------------------------------------------------------
+
+    def _experiment_id(self, name: str) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            if found.lifecycle_stage == "deleted":
+                self.client.restore_experiment(found.experiment_id)
+            return found.experiment_id
+        # The local SQLite store keeps artifacts next to it (MLflow's default is ./mlruns).
+        location = mlflow_artifacts_dir().as_uri() if self.uri.startswith("sqlite:") else None
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except Exception:  # noqa: BLE001 - another process created it first
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    def start_or_continue(self, run: RunInfo, saved: Mapping[str, Any]) -> dict[str, Any]:
+        run_id = saved.get("run_id")
+        if run_id:
+            existing = self._existing(run_id)
+            if existing is not None:
+                self.run_id = run_id
+                if existing.info.status != "RUNNING":
+                    self.client.update_run(run_id, status="RUNNING")
+                return dict(saved)
+            log.warning("MLflow run %s of %s is not in %s; starting a new one", run_id, run.run_id, redact(self.uri))
+        # A run written by this ratchet run before tracking.json was (a process died in
+        # between) is found by its tag, so a retry does not make a second one.
+        experiment_id = self._experiment_id(run.experiment)
+        found = self.client.search_runs([experiment_id], filter_string=f"tags.`ratchet.run_id` = '{run.run_id}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+        else:
+            tags = {**run.labels(), "mlflow.runName": run.run_id}
+            if run.lineage.sweep_id:
+                tags["mlflow.note.content"] = f"trial {run.lineage.trial_index} of sweep {run.lineage.sweep_id}"
+            self.run_id = self.client.create_run(experiment_id, tags=tags, run_name=run.run_id).info.run_id
+        return {"run_id": self.run_id, "experiment_id": experiment_id, "uri": redact(self.uri)}
+
+    def _existing(self, run_id: str):
+        from mlflow.exceptions import MlflowException
+
+        try:
+            found = self.client.get_run(run_id)
+        except MlflowException:
+            return None
+        return None if found.info.lifecycle_stage == "deleted" else found
+
+    def last_step(self) -> int | None:
+        history = self.client.get_metric_history(self._run(), STEP_KEY)
+        return max((m.step for m in history), default=None)
+
+    def _run(self) -> str:
+        if self.run_id is None:
+            raise RuntimeError("MlflowTracker: start_or_continue first")
+        return self.run_id
+
+    # -- logging ----------------------------------------------------------------------
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Params once; a value that differs from the run's (a resume that changed it) is
+        kept as the tag `param_changed.<key>`, since MLflow params cannot change."""
+        from mlflow.entities import Param, RunTag
+
+        run_id = self._run()
+        have = self.client.get_run(run_id).data.params
+        params, tags = [], []
+        for key, value in flatten(config).items():
+            text = str(value)[:_PARAM_CHARS]
+            if key not in have:
+                params.append(Param(key, text))
+            elif have[key] != text:
+                tags.append(RunTag(f"param_changed.{key}", text))
+        for i in range(0, max(len(params), 1), _PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, params=params[i : i + _PARAMS_PER_BATCH], tags=tags if i == 0 else [])
+
+    def log_step(self, step: int, metrics: Mapping[str, float], time_unix: float | None = None) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int((time_unix if time_unix is not None else time.time()) * 1000)
+        points = [Metric(key, value, stamp, step) for key, value in metrics.items()]
+        for i in range(0, len(points), _METRICS_PER_BATCH):
+            self.client.log_batch(self._run(), metrics=points[i : i + _METRICS_PER_BATCH])
+
+    def log_summary(self, summary: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        self.client.log_batch(self._run(), metrics=[Metric(f"summary/{k}", v, stamp, 0) for k, v in summary.items()])
+        self.client.set_terminated(self._run(), "FINISHED")
+
+    def close(self, failed: bool = False) -> None:
+        if failed and self.run_id is not None:
+            self.client.set_terminated(self.run_id, "FAILED")
+        self.run_id = None

@@ -1,0 +1,213 @@
+"""The Temporal UI as the run's window, on the real platform (`ratchet up`'s dev server with
+its UI, Ray, a `ratchet worker`): a short real run is found by its search attributes, and
+headless Chromium renders its workflow page with the run's summary, details, current
+details and an activity summary on every activity.
+
+The screenshots are kept as test artifacts under $RATCHET_TEST_ARTIFACTS (default
+`.ratchet/test-artifacts/`, git-ignored): `temporal_ui_run.png` (the workflow page and its
+timeline), `temporal_ui_metadata.png` (the User Metadata tab: summary, details, current
+details) and `temporal_ui_search_attributes.png` (the Search Attributes tab).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import secrets
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from ratchet.platform.client import RECIPE_PATH
+from ratchet.platform.search import InvalidQuery
+from ratchet.types import RunSummary
+from ratchet.workflows import search_attributes as sa
+
+pytestmark = pytest.mark.integration
+
+STEPS = 4
+FAST = [
+    "warmup.steps=2", "loop.prompts_per_step=4", "rollout.n=4", "data.eval_size=16", "loop.eval_every=2",
+    "checkpoint.every=2", "resources.trainer_cpus=0.5",
+]  # fmt: skip
+CHROMIUM = "/usr/bin/chromium"
+
+
+def artifacts_dir() -> Path:
+    folder = Path(os.environ.get("RATCHET_TEST_ARTIFACTS") or Path(__file__).resolve().parents[2] / ".ratchet" / "test-artifacts")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def chromium(url: str, *, screenshot: Path | None = None, budget_ms: int = 15000) -> str:
+    """Render `url` headless (a JS app: virtual time lets it fetch and draw); the DOM it
+    ends with, and the screenshot when asked for."""
+    with tempfile.TemporaryDirectory(prefix="rt-chromium-") as profile:
+        what = [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
+        out = subprocess.run(
+            [
+                CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                f"--user-data-dir={profile}", "--window-size=1600,1000", f"--virtual-time-budget={budget_ms}", *what, url,
+            ],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def wait_for(find, what: str, limit_s: float = 60.0):
+    """Poll `find()` until it returns something truthy (visibility is eventually consistent)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        got = find()
+        if got or time.monotonic() > deadline:
+            assert got, f"not seen within {limit_s:.0f}s: {what}"
+            return got
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def ui_run(platform):
+    """A 4-step sync run (checkpoint and evaluation every 2 steps), paused once after its
+    first step: its live current details are read then (the query the UI makes), and its
+    page is rendered once it completed (the UI long-polls an open workflow's history, so a
+    headless render under virtual time never settles while the run is open)."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Chromium is not installed (Debian package chromium)")
+    from temporalio.api.sdk.v1 import WorkflowMetadata
+
+    experiment = f"ui-{secrets.token_hex(3)}"
+    client = platform.client
+    handle = client.submit(
+        RECIPE_PATH, platform.overrides(*FAST, f"loop.steps={STEPS}", "tracking.name=ui", f"tracking.experiment={experiment}")
+    )
+    wait_for(lambda: handle.progress().step >= 1, "the run's first step", 300)
+    handle.pause()
+    paused = wait_for(lambda: client.find(f"ratchet_experiment = '{experiment}' AND ratchet_status = 'paused'"), "status paused", 120)
+    live = client._run(handle._handle().query("__temporal_workflow_metadata", result_type=WorkflowMetadata)).current_details
+    handle.resume()
+    summary: RunSummary = handle.result(timeout=600)
+    desc = client._run(handle._handle().describe())
+    ui = f"http://{platform.settings.host}:{platform.settings.temporal_ui_port}/namespaces/default/workflows/{handle.run_id}/{desc.run_id}"
+    shots = {}
+    for name, page in (("run", ""), ("metadata", "/user-metadata"), ("search_attributes", "/search-attributes")):
+        png = artifacts_dir() / f"temporal_ui_{name}.png"
+        shots[name] = (chromium(ui + page), png)
+        chromium(ui + page, screenshot=png)
+    return {"handle": handle, "summary": summary, "experiment": experiment, "paused": paused, "live": live, "shots": shots}
+
+
+def _attrs(platform, run_id: str) -> dict:
+    desc = platform.client._run(platform.client.get(run_id)._handle().describe())
+    return {p.key.name: p.value for p in desc.typed_search_attributes}
+
+
+def test_up_registered_the_attributes(platform):
+    from ratchet.platform.search import registered_attributes
+
+    assert sa.missing_from(platform.client._run(registered_attributes(platform.client._temporal))) == []
+
+
+def test_run_is_found_by_its_search_attributes(ui_run, platform):
+    handle, summary, experiment = ui_run["handle"], ui_run["summary"], ui_run["experiment"]
+    assert summary.steps == STEPS
+    assert [r.run_id for r in ui_run["paused"]] == [handle.run_id]
+    attrs = _attrs(platform, handle.run_id)
+    assert attrs["ratchet_step"] == STEPS and attrs["ratchet_status"] == "completed", attrs
+    assert (attrs["ratchet_experiment"], attrs["ratchet_algorithm"], attrs["ratchet_loop_mode"]) == (experiment, "grpo", "sync")
+    assert attrs["ratchet_eval_reward"] == pytest.approx(summary.eval_rewards[str(STEPS)])
+    reward = attrs["ratchet_reward"]
+    assert 0.0 <= reward <= 1.0
+
+    find = platform.client.find
+    mine = f"ratchet_experiment = '{experiment}'"
+    by_experiment = wait_for(lambda: [r for r in find(mine) if r.status == "completed"], "the completed run by experiment")
+    assert [r.run_id for r in by_experiment] == [handle.run_id]
+    row = by_experiment[0]
+    assert (row.step, row.workflow_status, row.model) == (STEPS, "COMPLETED", Path(platform.assets.model).name)
+    assert [r.run_id for r in find(f"{mine} AND ratchet_step >= {STEPS}")] == [handle.run_id]
+    assert find(f"{mine} AND ratchet_step > {STEPS}") == []
+    assert [r.run_id for r in find(f"{mine} AND ratchet_reward >= {reward!r}")] == [handle.run_id]
+    assert find(f"{mine} AND ratchet_reward > {reward!r}") == []
+
+
+def test_a_query_the_server_refuses_names_the_attributes(platform):
+    with pytest.raises(InvalidQuery) as err:
+        platform.client.find("NoSuchAttribute = 'x'")
+    assert "the server refused it" in str(err.value) and "ratchet_reward (Double)" in str(err.value)
+
+
+def test_live_current_details_while_paused(ui_run):
+    """What the UI's User Metadata tab shows of an open run: the phase, the step, the policy
+    version and the latest reward."""
+    assert re.fullmatch(rf"\*\*paused\*\* · step (\d)/{STEPS} · policy v\1 · reward \d\.\d{{3}}( · eval reward \d\.\d{{3}})?", ui_run["live"]), ui_run["live"]
+
+
+def metadata_shown(dom: str, part: str) -> str:
+    """The markdown the UI's User Metadata tab renders for `part` (summary, details,
+    current-details): each is an iframe whose `src` carries it."""
+    m = re.search(rf'<iframe[^>]*src="([^"]*)"[^>]*id="user-metadata-{part}"', dom)
+    assert m, f"no {part} frame in the page"
+    return parse_qs(urlsplit(html.unescape(m.group(1))).query)["content"][0]
+
+
+def test_ui_shows_summary_and_details(ui_run):
+    """The User Metadata tab: the run's one-line summary, its config in short, and the
+    current details the finished run left (the worker answers the UI's query)."""
+    dom, png = ui_run["shots"]["metadata"]
+    summary = metadata_shown(dom, "summary")
+    assert summary.startswith("GRPO on ") and summary.endswith(f"{STEPS} steps, sync loop · experiment {ui_run['experiment']}")
+    details = metadata_shown(dom, "details")
+    assert details.startswith(f"**ratchet run** `{ui_run['handle'].run_id}`")
+    assert "- learning rate: `0.001`" in details and "- samples per prompt: `4`" in details
+    current = metadata_shown(dom, "current-details")
+    assert re.fullmatch(rf"\*\*completed\*\* · step {STEPS}/{STEPS} · policy v{STEPS} · reward \d\.\d{{3}} · eval reward \d\.\d{{3}}", current), current
+    assert png.stat().st_size > 20_000
+
+
+def test_ui_timeline_shows_activity_summaries(ui_run):
+    """The workflow page's timeline labels each activity by what it did, newest first."""
+    dom, png = ui_run["shots"]["run"]
+    for label in (
+        f"finish: export the final policy v{STEPS}", f"evaluate step {STEPS}", f"checkpoint step {STEPS}",
+        f"step {STEPS - 1} (generate, score, train, sync)",
+    ):  # fmt: skip
+        assert label in dom, label
+    assert png.stat().st_size > 20_000
+
+
+def test_ui_shows_the_search_attributes(ui_run):
+    dom, png = ui_run["shots"]["search_attributes"]
+    text = re.sub(r"<[^>]+>", " ", dom)
+    for name in ("ratchet_experiment", "ratchet_step", "ratchet_reward", "ratchet_eval_reward", "ratchet_status"):
+        assert name in text, name
+    assert ui_run["experiment"] in text and "completed" in text
+    assert png.stat().st_size > 20_000
+
+
+def test_ratchet_runs_where(ui_run, platform):
+    """`ratchet runs --where`: the registry's rows for the runs the query selects."""
+    import sys
+
+    from ratchet.platform.services import temporal_address
+
+    env = {**os.environ, "RATCHET_TEMPORAL_ADDRESS": temporal_address(platform.settings)}
+    run_id, experiment = ui_run["handle"].run_id, ui_run["experiment"]
+
+    def ratchet_runs(where: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "ratchet.platform.cli", "runs", "--where", where, "--state-dir", str(platform.settings.state_dir)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "COLUMNS": "250"})
+
+    hit = ratchet_runs(f"ratchet_experiment = '{experiment}' AND ratchet_step >= {STEPS}")
+    assert hit.returncode == 0, hit.stderr
+    assert run_id in hit.stdout and "not in the registry" not in hit.stdout, hit.stdout
+    miss = ratchet_runs(f"ratchet_experiment = '{experiment}' AND ratchet_step > {STEPS}")
+    assert miss.returncode == 0 and run_id not in miss.stdout, miss.stdout
+    bad = ratchet_runs("ratchet_rewards > 0.3")
+    assert bad.returncode == 2 and "'ratchet_rewards' is not one of ratchet's search attributes" in bad.stderr, bad.stderr
