@@ -108,6 +108,9 @@ def main() -> None:
             f"model.path={assets.model}", f"data.train_files={train}", f"data.eval_files={evals}",
             f"storage.root={work / 'runs'}", f"loop.steps={args.steps}", "loop.eval_every=0",
             "warmup.steps=0", "data.eval_size=8", "tracking.name=bench",
+            # The plain loop logs to no tracker; MLflow's background thread would compete
+            # for these two cores. (The run registry stays on: it is ratchet's own bookkeeping.)
+            "tracking.mlflow=false",
         ]  # fmt: skip
         cfg = load_config(RECIPE_PATH, overrides)
         before = plain_loop(cfg, args.steps)

@@ -224,7 +224,7 @@ class TrainerWorker:
 
         relay, group, device = None, None, None
         if self.rank == 0:
-            relay = BucketRelay(consumers, window=BROADCAST_WINDOW, put=lambda g: g.index, timeout_s=STREAM_TIMEOUT_S)
+            relay = BucketRelay(consumers, window=BROADCAST_WINDOW, put=lambda g: g.index, timeout_s=STREAM_TIMEOUT_S, collective=True)
             if self._engine_group is not None:
                 group, device = self._engine_group.group, self._engine_group.device
         return self._sync_frame(sync_id, relay, lambda entries, manifest: gather_and_broadcast(entries, manifest, relay, group, device))

@@ -246,6 +246,46 @@ def test_relay_failure_reaches_receivers_and_a_receiver_may_leave():
         slow.offer(WeightBucket(1, (manifest.specs[1],), [np.zeros(1, np.float32)]))
 
 
+def test_a_collective_relay_offers_no_bucket_before_every_receiver_asked_for_it():
+    """A broadcast relay (NCCL): bucket 0 is not offered before every receiver asked for it,
+    so a receiver that fails first (its names check) aborts the sync before rank 0 enters
+    the collective. (Counting receivers as asking for bucket 0 from the start let rank 0
+    broadcast at once and wait forever for the member that never joined.)"""
+    manifest = make_manifest([(f"w{i}", torch.zeros(1)) for i in range(2)], engine_dtype="float32", bound_bytes=4, version=1)
+    relay = BucketRelay(consumers=2, window=1, timeout_s=30, collective=True)
+    relay.start(manifest)
+    offered = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def rank0():
+        try:
+            relay.offer(WeightBucket(0, (manifest.specs[0],), [np.zeros(1, np.float32)]))
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001
+            outcome.append(e)
+        offered.set()
+
+    thread = threading.Thread(target=rank0)
+    thread.start()
+    asking = threading.Thread(target=lambda: pytest.raises(SyncAborted, relay.take, 0, 0))  # the good receiver
+    asking.start()
+    assert not offered.wait(0.3), "bucket 0 was offered before the second receiver asked for it"
+    relay.fail("rollout replica 1: WeightNamesMismatch")  # the picky receiver aborts instead of asking
+    assert offered.wait(10) and isinstance(outcome[0], SyncAborted)
+    thread.join(10)
+    asking.join(10)
+    # Both ask: bucket 0 goes out.
+    both = BucketRelay(consumers=2, window=1, timeout_s=30, collective=True)
+    both.start(manifest)
+    takers = [threading.Thread(target=both.take, args=(k, 0)) for k in range(2)]
+    for t in takers:
+        t.start()
+    both.offer(WeightBucket(0, (manifest.specs[0],), [np.zeros(1, np.float32)]))
+    for t in takers:
+        t.join(10)
+    assert both.peak_stored == 1
+
+
 # --------------------------------------------------------------------------- two FSDP2 ranks
 
 

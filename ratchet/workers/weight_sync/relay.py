@@ -25,7 +25,21 @@ class SyncAborted(RuntimeError):
 
 
 class BucketRelay:
-    def __init__(self, consumers: int, *, window: int = 2, put: Callable[[WeightBucket], object] = lambda b: b, timeout_s: float = 600.0):
+    """`collective`: bucket i is offered only once every receiver has asked for it, the
+    first one included (a broadcast: a member that never joins would hang the others in
+    the collective, so a receiver that fails before its first ask must be able to abort
+    the sync first). Otherwise receivers count as asking for bucket 0 from the start, so
+    the first `window` buckets are gathered and stored ahead of them."""
+
+    def __init__(
+        self,
+        consumers: int,
+        *,
+        window: int = 2,
+        put: Callable[[WeightBucket], object] = lambda b: b,
+        timeout_s: float = 600.0,
+        collective: bool = False,
+    ):
         if consumers < 1 or window < 1:
             raise ValueError(f"a relay needs at least one receiver and a window of one (got {consumers}, {window})")
         self.consumers, self.window, self.put, self.timeout_s = consumers, window, put, timeout_s
@@ -33,7 +47,8 @@ class BucketRelay:
         self._manifest: Manifest | None = None
         self._stored: dict[int, object] = {}  # bucket index -> stored bucket, until every receiver is past it
         self._offered = 0  # buckets offered so far
-        self._asked = [0] * consumers  # per receiver: the bucket it asks for next (DONE: finished or left)
+        # Per receiver: the bucket it asks for next (DONE: finished or left; -1: not asked yet).
+        self._asked = [-1 if collective else 0] * consumers
         self._error: str | None = None
         self.peak_stored = 0  # the most buckets held at once, for tests and benchmarks
 
