@@ -226,7 +226,7 @@ def sweep_begin(inp: SweepBeginInput) -> None:
 @activity.defn(name="plan_trial")
 def plan_trial(inp: PlanTrialInput) -> TrialPlan:
     """Trial k's values (Optuna), its validated config and loop plan; the trial recorded as running."""
-    from ratchet.platform.client import loop_plan  # the client's LoopPlan rule; torch-free
+    from ratchet.config.loop_plan import loop_plan
     from ratchet.registry import TrialRecord
 
     spec = _spec(inp.spec)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ratchet.ids import check_id
-from ratchet.types import TASK_QUEUE, BatchStatus, LiveChange, LoopPlan, Progress, RunState, RunSummary, TrainingInput, upgrade_run_state
+from ratchet.config.loop_plan import loop_plan
+from ratchet.types import TASK_QUEUE, BatchStatus, LiveChange, Progress, RunState, RunSummary, TrainingInput, upgrade_run_state
 
 WORKFLOW = "TrainingWorkflow"
 # The demo recipe, in a source checkout.
@@ -75,26 +76,6 @@ def _retire_unless_rewritten(checkpoints, old) -> None:
 
 def make_run_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
-
-
-def loop_plan(cfg) -> LoopPlan:
-    return LoopPlan(
-        steps=cfg.loop.steps,
-        prompts_per_step=cfg.loop.prompts_per_step,
-        eval_every=cfg.loop.eval_every,
-        evaluate=cfg.data.eval_files is not None,
-        kl_coef=cfg.algorithm.kl.coef,
-        sampling_rounds=cfg.algorithm.max_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
-        mode=cfg.loop.mode,
-        max_staleness=cfg.loop.max_staleness,
-        queue_limit=cfg.loop.queue_limit,
-        sync_every=cfg.loop.sync_every,
-        partial_rollout=cfg.uses_partial_rollouts,
-        deterministic=cfg.deterministic,
-        checkpoint_every=cfg.checkpoint.every,
-        continue_as_new_every=cfg.loop.continue_as_new_every,
-        heartbeat_timeout_s=cfg.loop.heartbeat_timeout_s,
-    )
 
 
 @dataclass
@@ -230,6 +211,15 @@ class Client:
         self._start_run(inp, memo={"tags": cfg.tracking.tags, "model": cfg.model.path, "steps": cfg.loop.steps})
         return RunHandle(self, run_id)
 
+    def has_search_attributes(self) -> bool:
+        """Whether the namespace has ratchet's search attributes (asked until it has: a
+        cluster may get them while this client lives)."""
+        from .search import attributes_available
+
+        if not self._has_search_attributes:
+            self._has_search_attributes = self._run(attributes_available(self._temporal))
+        return self._has_search_attributes
+
     def _start_run(self, inp: TrainingInput, **options: Any) -> None:
         """Start a training workflow as the Temporal UI shows it: a one-line summary and the
         config in short as its details, and, when the namespace has ratchet's search
@@ -238,14 +228,12 @@ class Client:
         (docs/temporal_ui.md) must not stop a run. `options` go to `start_workflow`."""
         from ratchet.workflows import search_attributes as sa
 
-        from .search import attributes_available, previous_lineage
+        from .search import previous_lineage
 
-        if not self._has_search_attributes:
-            self._has_search_attributes = self._run(attributes_available(self._temporal))
         lineage = inp.lineage
         if inp.resume is not None and lineage == type(lineage)():
             lineage = self._run(previous_lineage(self._temporal, inp.run_id)) or lineage  # a resumed trial or fork
-        inp.search_attributes = self._has_search_attributes
+        inp.search_attributes = self.has_search_attributes()
         if inp.search_attributes:
             step = inp.resume.next_step if inp.resume is not None else 0
             options.setdefault("search_attributes", sa.resumed_attributes(inp.config, lineage, step))

@@ -57,11 +57,11 @@ def launch_input(client: "Client", schedule_id: str, *, config: Any = None, swee
     from ratchet.config import load_config
 
     from .client import loop_plan
-    from .sweeps import namespace_has_search_attributes, prepare_sweep
+    from .sweeps import prepare_sweep
 
     if (config is None) == (sweep is None):
         raise ScheduleError("give a run config or a sweep spec (--sweep), exactly one")
-    has_attrs = namespace_has_search_attributes(client)
+    has_attrs = client.has_search_attributes()
     if sweep is not None:
         # The sweep id is made at launch; this one only passes validation.
         return LaunchInput(schedule_id, "sweep", sweep=prepare_sweep(sweep, overrides, sweep_id=schedule_id, search_attributes=has_attrs))

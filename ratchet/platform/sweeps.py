@@ -71,26 +71,10 @@ def prepare_sweep(
     )
 
 
-def namespace_has_search_attributes(client: "Client") -> bool:
-    """Whether the namespace has every ratchet search attribute (trials then start with
-    theirs); False when it cannot be asked."""
-    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-
-    from ratchet.workflows import search_attributes as sa
-
-    try:
-        resp = client._run(
-            client._temporal.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=client._temporal.namespace))
-        )
-    except Exception:  # noqa: BLE001 - a cluster that refuses the operator call: go without
-        return False
-    return not sa.missing_from(dict(resp.custom_attributes))
-
-
 def start_sweep(client: "Client", spec, overrides: Sequence[str] = (), *, sweep_id: str | None = None) -> "SweepHandle":
     """Start the sweep; `spec` may also be a SweepInput that `prepare_sweep` made (the CLI
     validates before it connects), started as it is."""
-    has_attrs = namespace_has_search_attributes(client)
+    has_attrs = client.has_search_attributes()
     if isinstance(spec, SweepInput):
         inp = replace(spec, search_attributes=has_attrs, sweep_id=check_id(sweep_id, "sweep id") if sweep_id else spec.sweep_id)
     else:
@@ -163,4 +147,4 @@ def sweep_records(sweep_id: str | None = None, *, url: str | None = None):
         return [s for s in [reg.sweep(sweep_id)] if s is not None], reg.trials(sweep_id)
 
 
-__all__ = ["SweepHandle", "make_sweep_id", "namespace_has_search_attributes", "prepare_sweep", "start_sweep", "sweep_plan", "sweep_records"]
+__all__ = ["SweepHandle", "make_sweep_id", "prepare_sweep", "start_sweep", "sweep_plan", "sweep_records"]
