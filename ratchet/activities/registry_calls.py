@@ -14,6 +14,7 @@ import functools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from ratchet import types as t
@@ -99,9 +100,30 @@ def run_prepared(inp: t.PrepareInput, stored_config: dict[str, Any], digest: str
     )
 
 
-@_never_fails
+# Progress rows are written by one background thread, in step order: record_step is a
+# local activity, and the workflow task that schedules the next step waits for it, so a
+# database round trip there would be on every step's path. The other calls here are once
+# per run or per checkpoint, and flush the progress first so that rows land in order.
+_progress = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-progress")
+FLUSH_TIMEOUT_S = 30.0
+
+
 def step_recorded(inp: t.StepRecord) -> None:
-    """record_step: the latest step and reward (and eval reward, on evaluated steps)."""
+    """record_step: the latest step and reward (and eval reward, on evaluated steps), written
+    in the background (a worker that dies first loses only rows the next step rewrites)."""
+    _progress.submit(_step_recorded, inp)
+
+
+def flush(timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+    """Wait until the progress rows handed over so far are written (or given up on)."""
+    try:
+        _progress.submit(lambda: None).result(timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a registry that hangs must not hold up the run's end
+        log.warning("run registry: progress rows not written after %.0f s; carrying on", timeout_s)
+
+
+@_never_fails
+def _step_recorded(inp: t.StepRecord) -> None:
     reg = registry()
     if reg is None:
         return
@@ -123,6 +145,7 @@ def checkpoints_changed(run: t.RunRef) -> None:
 def run_finished(run: t.RunRef, total_steps: int) -> None:
     """finish_run: completed with its final metrics (stopped when it ended before its
     last step: the `stop` signal), and its checkpoints once the last one landed."""
+    flush()
     reg = registry()
     if reg is None:
         return
@@ -137,6 +160,7 @@ def run_finished(run: t.RunRef, total_steps: int) -> None:
 def run_released(inp: t.ReleaseInput) -> None:
     """release_run (every end but completion): failed, or cancelled when the input says
     so; a run already marked ended is left as it is."""
+    flush()
     reg = registry()
     if reg is None:
         return

@@ -51,6 +51,7 @@ def test_a_run_lands_in_the_registry(reg, tmp_path):
         metrics = {"reward_mean": reward, **({"eval_reward": ev} if ev is not None else {})}
         record_step(t.StepRecord(prep.run, step, metrics))
         record_step(t.StepRecord(prep.run, step, metrics))  # retried local activity
+        registry_calls.flush()  # progress rows are written in the background, in order
         r = reg.run("act-1")
         assert (r.last_step, r.last_reward) == (step, reward)
     assert r.eval_reward == 0.25 and len(MetricsLog(ObjectStore(prep.run.run_uri)).read()) == 3
@@ -86,6 +87,7 @@ def test_a_registry_that_fails_never_fails_the_activity(tmp_path, monkeypatch, c
     caplog.set_level(logging.DEBUG)
     prep = prepare_run(t.PrepareInput("down-1", stored_config(tmp_path / "runs")))
     record_step(t.StepRecord(prep.run, 0, {"reward_mean": 0.5}))  # within RETRY_AFTER_S: not tried
+    registry_calls.flush()
     assert ObjectStore(prep.run.run_uri).exists(RunLayout.CONFIG) and ObjectStore(prep.run.run_uri).exists(RunLayout.METRICS)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "run registry" in r.getMessage()]
     assert len(warnings) == 1 and "ratchet registry rebuild" in warnings[0] and "ratchet:***@127.0.0.1" in warnings[0]
