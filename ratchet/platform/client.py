@@ -18,11 +18,12 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from ratchet.ids import check_id
 from ratchet.config.loop_plan import loop_plan
 from ratchet.types import TASK_QUEUE, BatchStatus, LiveChange, Progress, RunState, RunSummary, TrainingInput, upgrade_run_state
+from .handles import WorkflowHandle
 
 WORKFLOW = "TrainingWorkflow"
 # The demo recipe, in a source checkout.
@@ -79,52 +80,27 @@ def make_run_id(name: str) -> str:
 
 
 @dataclass
-class RunHandle:
+class RunHandle(WorkflowHandle):
     client: "Client"
     run_id: str
 
-    def _handle(self):
-        return self.client._temporal.get_workflow_handle(self.run_id, result_type=RunSummary)
+    summary_type: ClassVar[type] = RunSummary
+    progress_type: ClassVar[type] = Progress
 
-    def progress(self) -> Progress:
-        return self.client._run(self._handle().query("progress", result_type=Progress))
-
-    def result(self, timeout: float | None = None) -> RunSummary:
-        coro = self._handle().result()
-        return self.client._run(asyncio.wait_for(coro, timeout) if timeout else coro)
-
-    def follow(self, every: float = 0.5) -> Iterator[Progress]:
-        """Yield the run's progress every `every` seconds until the workflow closes."""
-        from temporalio.service import RPCError
-
-        done = self.client._loop.create_task(self._handle().result())
-        try:
-            while not done.done():
-                try:
-                    yield self.progress()
-                except RPCError:  # no workflow task has run yet, so the query has no answer
-                    pass
-                self.client._run(asyncio.wait([done], timeout=every))
-        finally:
-            if not done.done():
-                done.cancel()
-            else:
-                done.exception()  # retrieved here; result() reports it
-
-    def status(self) -> str:
-        desc = self.client._run(self._handle().describe())
-        return desc.status.name if desc.status else "UNKNOWN"
+    @property
+    def workflow_id(self) -> str:
+        return self.run_id
 
     def pause(self) -> None:
         """Pause at the next step boundary (in-flight work finishes first)."""
-        self.client._run(self._handle().signal("pause"))
+        self._signal("pause")
 
     def resume(self) -> None:
-        self.client._run(self._handle().signal("resume"))
+        self._signal("resume")
 
     def stop(self) -> None:
         """End the run at the next step boundary; it exports the policy and completes."""
-        self.client._run(self._handle().signal("stop"))
+        self._signal("stop")
 
     def set(self, changes: Sequence[str] | Mapping[str, Any] = (), /, **values: Any) -> LiveChange:
         """Change hyper-parameters from the run's next step boundary:

@@ -12,15 +12,15 @@ trials are listed from the run registry (`sweep_records`), which the sweep's act
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Sequence
 
 from ratchet.ids import check_id
 from ratchet.sweep_types import SweepInput, SweepPlan, SweepProgress, SweepSummary
+from .handles import WorkflowHandle
 
 if TYPE_CHECKING:
     from ratchet.config.sweep_spec import SweepSpec
@@ -88,53 +88,31 @@ def start_sweep(client: "Client", spec, overrides: Sequence[str] = (), *, sweep_
 
 
 @dataclass
-class SweepHandle:
+class SweepHandle(WorkflowHandle):
     client: "Client"
     sweep_id: str
 
-    def _handle(self):
-        return self.client._temporal.get_workflow_handle(self.sweep_id, result_type=SweepSummary)
+    summary_type: ClassVar[type] = SweepSummary
+    progress_type: ClassVar[type] = SweepProgress
 
-    def progress(self) -> SweepProgress:
-        return self.client._run(self._handle().query("progress", result_type=SweepProgress))
-
-    def result(self, timeout: float | None = None) -> SweepSummary:
-        coro = self._handle().result()
-        return self.client._run(asyncio.wait_for(coro, timeout) if timeout else coro)
+    @property
+    def workflow_id(self) -> str:
+        return self.sweep_id
 
     def follow(self, every: float = 1.0) -> Iterator[SweepProgress]:
-        """Yield the sweep's progress every `every` seconds until its workflow closes."""
-        from temporalio.service import RPCError
-
-        done = self.client._loop.create_task(self._handle().result())
-        try:
-            while not done.done():
-                try:
-                    yield self.progress()
-                except RPCError:  # no workflow task has run yet
-                    pass
-                self.client._run(asyncio.wait([done], timeout=every))
-        finally:
-            if not done.done():
-                done.cancel()
-            else:
-                done.exception()  # retrieved here; result() reports it
+        return super().follow(every)
 
     def pause(self) -> None:
         """Pause every running trial at its next step boundary; start no new ones."""
-        self.client._run(self._handle().signal("pause"))
+        self._signal("pause")
 
     def resume(self) -> None:
-        self.client._run(self._handle().signal("resume"))
+        self._signal("resume")
 
     def cancel(self) -> None:
         """Stop the running trials at their next step boundary and start no more; the sweep
         then completes as cancelled, with the best trial so far."""
-        self.client._run(self._handle().signal("cancel"))
-
-    def status(self) -> str:
-        desc = self.client._run(self._handle().describe())
-        return desc.status.name if desc.status else "UNKNOWN"
+        self._signal("cancel")
 
 
 def sweep_records(sweep_id: str | None = None, *, url: str | None = None):

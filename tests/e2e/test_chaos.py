@@ -75,7 +75,12 @@ class ChaosPlatform:
         self.worker = start_worker_process(self.settings)
 
     def kill_actor(self, cls: str) -> bool:
-        for pid in _pids():
+        """SIGKILL one `cls` actor process of this module's Ray head (only its own: another
+        test process may run a platform of its own beside this one)."""
+        from ratchet.platform.services import ray_head
+
+        ours = ray_head.pids(json.loads(self.settings.state_file.read_text())["services"]["ray"])
+        for pid in ours:
             if _cmdline(pid).startswith(f"ray::{cls}"):
                 os.kill(pid, signal.SIGKILL)
                 return True
@@ -102,10 +107,6 @@ class ChaosPlatform:
         down(self.settings)
         if not os.environ.get("RATCHET_KEEP_TEST_STATE"):
             shutil.rmtree(self.state, ignore_errors=True)
-
-
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
 def _cmdline(pid: int) -> str:

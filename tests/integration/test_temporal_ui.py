@@ -16,7 +16,6 @@ import os
 import re
 import secrets
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -28,6 +27,8 @@ from ratchet.platform.search import InvalidQuery
 from ratchet.types import RunSummary
 from ratchet.workflows import search_attributes as sa
 
+from tests.browser import CHROMIUM, artifacts_dir, chromium
+
 pytestmark = pytest.mark.integration
 
 STEPS = 4
@@ -35,30 +36,6 @@ FAST = [
     "warmup.steps=2", "loop.prompts_per_step=4", "rollout.n=4", "data.eval_size=16", "loop.eval_every=2",
     "checkpoint.every=2", "resources.trainer_cpus=0.5",
 ]  # fmt: skip
-CHROMIUM = "/usr/bin/chromium"
-
-
-def artifacts_dir() -> Path:
-    folder = Path(os.environ.get("RATCHET_TEST_ARTIFACTS") or Path(__file__).resolve().parents[2] / ".ratchet" / "test-artifacts")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-def chromium(url: str, *, screenshot: Path | None = None, budget_ms: int = 15000) -> str:
-    """Render `url` headless (a JS app: virtual time lets it fetch and draw); the DOM it
-    ends with, and the screenshot when asked for."""
-    with tempfile.TemporaryDirectory(prefix="rt-chromium-") as profile:
-        what = [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
-        out = subprocess.run(
-            [
-                CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={profile}", "--window-size=1600,1000", f"--virtual-time-budget={budget_ms}", *what, url,
-            ],
-            capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
 
 
 def wait_for(find, what: str, limit_s: float = 60.0):

@@ -10,9 +10,6 @@ The screenshot is kept as a test artifact under $RATCHET_TEST_ARTIFACTS (default
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import tempfile
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -27,33 +24,12 @@ from ratchet.platform.services import mlflow_ui
 from ratchet.tracking.uris import default_mlflow_uri
 from tests.polling import wait_until
 
+from tests.browser import CHROMIUM, artifacts_dir, chromium
+
 pytestmark = pytest.mark.integration
 
 STEPS = 6
 FAST = ["warmup.steps=2", "loop.prompts_per_step=4", "rollout.n=4", "data.eval_size=16", "loop.eval_every=3", "resources.trainer_cpus=0.5"]
-CHROMIUM = "/usr/bin/chromium"
-
-
-def artifacts_dir() -> Path:
-    folder = Path(os.environ.get("RATCHET_TEST_ARTIFACTS") or Path(__file__).resolve().parents[2] / ".ratchet" / "test-artifacts")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-def chromium(url: str, *, screenshot: Path | None = None, budget_ms: int = 30000) -> str:
-    """Render `url` headless; the DOM it ends with, or the screenshot when asked for."""
-    with tempfile.TemporaryDirectory(prefix="rt-chromium-") as profile:
-        what = [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
-        out = subprocess.run(
-            [
-                CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={profile}", "--window-size=1600,1000", f"--virtual-time-budget={budget_ms}", *what, url,
-            ],
-            capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
 
 
 def metric_page(base: str, run_id: str, experiment_id: str, key: str) -> str:
@@ -104,12 +80,12 @@ def test_a_real_run_in_mlflow_and_its_ui(platform):
         assert sorted(m["step"] for m in served) == list(range(STEPS))
 
         page = metric_page(base, run.info.run_id, exp.experiment_id, "reward_mean")
-        dom = chromium(page)
+        dom = chromium(page, budget_ms=30000)
         assert "Error while loading" not in dom
         assert f"(step={STEPS - 1})" in dom, "the metric table shows no point of the last step"
         png = artifacts_dir() / "mlflow_ui_reward.png"
         png.unlink(missing_ok=True)
-        chromium(page, screenshot=png)
+        chromium(page, screenshot=png, budget_ms=30000)
         image = Image.open(png)
         assert image.size == (1600, 1000)
         assert len(set(image.convert("L").getdata())) > 20  # a drawn page, not a blank one

@@ -1,0 +1,58 @@
+"""What the handle of a run and the handle of a sweep share: one workflow to query for its
+progress, wait on for its result, follow until it closes, and signal."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+
+if TYPE_CHECKING:
+    from .client import Client
+
+
+class WorkflowHandle:
+    """A mixin for a dataclass with `client`; subclasses name their workflow id and the
+    types of its `progress` query and its result."""
+
+    client: "Client"
+    summary_type: ClassVar[type]
+    progress_type: ClassVar[type]
+
+    @property
+    def workflow_id(self) -> str:
+        raise NotImplementedError
+
+    def _handle(self):
+        return self.client._temporal.get_workflow_handle(self.workflow_id, result_type=self.summary_type)
+
+    def progress(self) -> Any:
+        return self.client._run(self._handle().query("progress", result_type=self.progress_type))
+
+    def result(self, timeout: float | None = None) -> Any:
+        coro = self._handle().result()
+        return self.client._run(asyncio.wait_for(coro, timeout) if timeout else coro)
+
+    def follow(self, every: float = 0.5) -> Iterator[Any]:
+        """Yield the progress every `every` seconds until the workflow closes."""
+        from temporalio.service import RPCError
+
+        done = self.client._loop.create_task(self._handle().result())
+        try:
+            while not done.done():
+                try:
+                    yield self.progress()
+                except RPCError:  # no workflow task has run yet, so the query has no answer
+                    pass
+                self.client._run(asyncio.wait([done], timeout=every))
+        finally:
+            if not done.done():
+                done.cancel()
+            else:
+                done.exception()  # retrieved here; result() reports it
+
+    def status(self) -> str:
+        desc = self.client._run(self._handle().describe())
+        return desc.status.name if desc.status else "UNKNOWN"
+
+    def _signal(self, name: str) -> None:
+        self.client._run(self._handle().signal(name))
