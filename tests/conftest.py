@@ -106,3 +106,21 @@ def platform(assets):
         down(settings)
         if not os.environ.get("RATCHET_KEEP_TEST_STATE"):  # keep logs for debugging when set
             shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_driver(platform):
+    """This test process as a driver of the platform's Ray (namespace `ratchet`), for the
+    tests that call the run's actors directly."""
+    import ray
+
+    from ratchet.platform.services import ray_address, ray_auth_env
+    from ratchet.platform.services.ray_auth import APPLIED_VAR, RAY_AUTH_VARS
+    from ratchet.platform.worker import connect_ray
+
+    before = {k: os.environ.get(k) for k in (*RAY_AUTH_VARS, APPLIED_VAR)}
+    connect_ray(ray_address(platform.settings), ray_auth_env(platform.settings))
+    yield ray
+    ray.shutdown()
+    for k, v in before.items():  # later tests start Ray heads of their own
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -59,10 +59,17 @@ def summary_view(summary: SweepSummary) -> Group:
     return Group(head, trials_table(summary.trials, "trials", best))
 
 
+def _id_column(table: Table, name: str, ids: Sequence[str]) -> None:
+    """A column of ids, never cut short: an id is what a user copies into the next command
+    (a narrow terminal, or none at all under CI, narrows the other columns instead)."""
+    table.add_column(name, no_wrap=True, min_width=max((len(i) for i in ids), default=len(name)))
+
+
 def sweeps_table(sweeps: Sequence[Any], trials_by_sweep: dict[str, Sequence[Any]], title: str) -> Table:
     """Sweeps from the registry (SweepRecord) with their trial counts and best trial."""
     table = Table(title=title)
-    for col in ("sweep", "status", "trials", "done", "pruned", "objective", "best trial", "best value", "created"):
+    _id_column(table, "sweep", [s.sweep_id for s in sweeps])
+    for col in ("status", "trials", "done", "pruned", "objective", "best trial", "best value", "created"):
         table.add_column(col)
     for s in sweeps:
         trials = trials_by_sweep.get(s.sweep_id, [])
@@ -79,7 +86,9 @@ def sweeps_table(sweeps: Sequence[Any], trials_by_sweep: dict[str, Sequence[Any]
 def registry_trials_table(sweep: Any, trials: Sequence[Any]) -> Table:
     """One sweep's trials from the registry (TrialRecord)."""
     table = Table(title=f"sweep {sweep.sweep_id} ({sweep.status}); objective {sweep.objective} ({sweep.direction})")
-    for col in ("trial", "run", "state", "objective", "steps", "params"):
+    table.add_column("trial")
+    _id_column(table, "run", [t.run_id or "-" for t in trials])
+    for col in ("state", "objective", "steps", "params"):
         table.add_column(col)
     for t in trials:
         mark = " [green]best[/green]" if t.trial_index == sweep.best_trial_index else ""

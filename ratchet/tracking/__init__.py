@@ -11,7 +11,7 @@ imported only when a backend is built.
 
 from __future__ import annotations
 
-from .base import RunInfo, Tracker, flatten, numeric_metrics
+from .base import RunInfo, Tracker, numeric_metrics
 from .session import TRACKING_KEY, RunTracking, summarize
 from .uris import default_mlflow_uri, mlflow_uri, redact
 
@@ -21,7 +21,6 @@ __all__ = [
     "RunTracking",
     "Tracker",
     "default_mlflow_uri",
-    "flatten",
     "mlflow_uri",
     "numeric_metrics",
     "redact",

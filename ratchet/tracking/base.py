@@ -70,17 +70,6 @@ class Tracker(Protocol):
         ...
 
 
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> value (lists stay values), as `ratchet train` overrides spell keys."""
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, Mapping):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def numeric_metrics(record: Mapping[str, Any]) -> dict[str, float]:
     """The plottable numbers of a metrics.jsonl line: the step and the time stamps are the
     axes, not series; strings and bools are dropped."""

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from .base import RunInfo, flatten
+from ratchet.config.resume_keys import flatten
+
+from .base import RunInfo
 from .uris import MLFLOW_ARTIFACTS, mlflow_artifacts_dir, mlflow_uri, redact
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -33,23 +32,6 @@ FAST = [
     "warmup.steps=2", "data.eval_files=null", "loop.prompts_per_step=4", "rollout.n=4", "resources.trainer_cpus=0.5",
     "checkpoint.every=3", "checkpoint.keep_last=5", "deterministic=true", f"trainer.lr={OLD_LR}",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def ray_driver(platform):
-    """This test process as a driver of the platform's Ray (namespace `ratchet`)."""
-    import ray
-
-    from ratchet.platform.services import ray_address, ray_auth_env
-    from ratchet.platform.services.ray_auth import APPLIED_VAR, RAY_AUTH_VARS
-    from ratchet.platform.worker import connect_ray
-
-    before = {k: os.environ.get(k) for k in (*RAY_AUTH_VARS, APPLIED_VAR)}
-    connect_ray(ray_address(platform.settings), ray_auth_env(platform.settings))
-    yield ray
-    ray.shutdown()
-    for k, v in before.items():  # later tests start Ray heads of their own
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -198,12 +198,18 @@ def test_sweep_survives_worker_and_server_restarts(sweep_platform):
     # `ratchet sweeps` shows it with its best trial; `ratchet sweeps ID` its trials.
     from typer.testing import CliRunner
 
-    from ratchet.platform.cli import app
+    from ratchet.platform import cli
 
-    listed = CliRunner().invoke(app, ["sweeps", "--url", p.registry_url], env={"COLUMNS": "300"})
-    assert listed.exit_code == 0 and handle.sweep_id in listed.output and "completed" in listed.output, listed.output
-    trials = CliRunner().invoke(app, ["sweeps", handle.sweep_id, "--url", p.registry_url], env={"COLUMNS": "300"})
-    assert trials.exit_code == 0 and trials.output.count("pruned") == len(pruned) and "best" in trials.output, trials.output
+    # The CLI's console took its width when it was imported (80 columns without a terminal,
+    # as under CI): wide enough here that no column is cut short.
+    width, cli.console.width = cli.console.width, 300
+    try:
+        listed = CliRunner().invoke(cli.app, ["sweeps", "--url", p.registry_url])
+        assert listed.exit_code == 0 and handle.sweep_id in listed.output and "completed" in listed.output, listed.output
+        trials = CliRunner().invoke(cli.app, ["sweeps", handle.sweep_id, "--url", p.registry_url])
+        assert trials.exit_code == 0 and trials.output.count("pruned") == len(pruned) and "best" in trials.output, trials.output
+    finally:
+        cli.console.width = width
 
 
 async def _count(p: ChaosPlatform, workflow_id: str) -> int:

@@ -140,24 +140,6 @@ def test_setup_twice_does_not_rebuild(tiny_model, tmp_path):
 # --------------------------------------------------------------------------- real Ray and Temporal
 
 
-@pytest.fixture(scope="module")
-def ray_driver(platform):
-    """This test process as a driver of the platform's Ray (namespace `ratchet`)."""
-    import ray
-
-    from ratchet.platform.services import ray_address, ray_auth_env
-    from ratchet.platform.worker import connect_ray
-
-    from ratchet.platform.services.ray_auth import APPLIED_VAR, RAY_AUTH_VARS
-
-    before = {k: os.environ.get(k) for k in (*RAY_AUTH_VARS, APPLIED_VAR)}
-    connect_ray(ray_address(platform.settings), ray_auth_env(platform.settings))
-    yield ray
-    ray.shutdown()
-    for k, v in before.items():  # later tests start Ray heads of their own
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-
 def failure_text(exc: BaseException) -> str:
     parts = []
     while exc is not None:

@@ -6,7 +6,6 @@ redone; a resource pool is a placement group that holds the run's actors."""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -26,23 +25,6 @@ TINY = [
     "rollout.max_response_length=8", "resources.trainer_cpus=0.25", "resources.rollout_cpus=0.25", "seed=3",
 ]  # fmt: skip
 TENSORS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "policy_version", "prompt_index")
-
-
-@pytest.fixture(scope="module")
-def ray_driver(platform):
-    """This test process as a driver of the platform's Ray (namespace `ratchet`)."""
-    import ray
-
-    from ratchet.platform.services import ray_address, ray_auth_env
-    from ratchet.platform.services.ray_auth import APPLIED_VAR, RAY_AUTH_VARS
-    from ratchet.platform.worker import connect_ray
-
-    before = {k: os.environ.get(k) for k in (*RAY_AUTH_VARS, APPLIED_VAR)}
-    connect_ray(ray_address(platform.settings), ray_auth_env(platform.settings))
-    yield ray
-    ray.shutdown()
-    for k, v in before.items():  # later tests start Ray heads of their own
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def run_actors(platform, tmp_path, run_id: str, *extra: str):
