@@ -191,10 +191,14 @@ def run_with_faults(chaos: ChaosPlatform, name: str, extra: list[str], seed: int
 
 def _result(chaos: ChaosPlatform, handle, timeout: float = 600.0):
     """The run's result; the client reconnects while the Temporal server restarts."""
+    from temporalio.client import WorkflowFailureError
+
     deadline = time.monotonic() + timeout
     while True:
         try:
             return chaos.client.get(handle.run_id).result(timeout=max(1.0, deadline - time.monotonic()))
+        except WorkflowFailureError:
+            raise  # the run itself failed: waiting longer shows nothing more
         except Exception:  # noqa: BLE001 - the server was killed under the long poll
             if time.monotonic() > deadline:
                 raise
