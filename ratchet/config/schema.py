@@ -3,6 +3,9 @@
 Every section forbids unknown keys, so a typo fails at submit time instead of being
 silently ignored for a whole run. Each field's description is its documentation;
 `ratchet schema` prints them all.
+
+One module, past 500 lines, on purpose: it is the config's single reference, one section
+class per YAML section, read top to bottom as the documentation of every key.
 """
 
 from __future__ import annotations

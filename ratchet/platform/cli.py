@@ -1,4 +1,7 @@
-"""The `ratchet` command line."""
+"""The `ratchet` command line: one Typer function per command, each a thin shell over the
+client, the services or the registry (argument parsing, a progress bar, a Rich table).
+Long (one screen per command family: services, runs, steering, sweeps, schedules,
+registry) but of one job; the work behind each command lives in the module it calls."""
 
 from __future__ import annotations
 

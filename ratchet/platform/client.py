@@ -79,6 +79,24 @@ def make_run_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
 
 
+def stored_config_with(run_id: str, root: str | None, overrides: Sequence[str]):
+    """A run's stored config plus `overrides`, checked as a resume checks them (what a
+    resume and a fork both start from): (run folder, stored config, new config, changed keys)."""
+    from ratchet.config import load_config
+    from ratchet.config.resume_keys import check_resume_changes
+    from ratchet.storage import ObjectStore
+    from ratchet.storage.layout import RunLayout
+
+    root = root or RunLayout.DEFAULT_ROOT
+    run_store = ObjectStore(root).child(run_id)
+    if not run_store.exists(RunLayout.CONFIG):
+        raise FileNotFoundError(f"no run {run_id!r} under {root} (pass --root, the run's storage.root)")
+    stored = run_store.get_json(RunLayout.CONFIG)
+    cfg = load_config(None, overrides, base=stored)
+    changed = check_resume_changes(_normalised(stored), cfg.model_dump(mode="json"))
+    return run_store, stored, cfg, changed
+
+
 @dataclass
 class RunHandle(WorkflowHandle):
     client: "Client"
@@ -231,9 +249,7 @@ class Client:
         folder; the steps after the checkpoint are done again, and checkpoints newer than
         it are retired (`RETIRED.json`, see CheckpointStore.retire) once the resumed run
         has started. A run that is still open (running or paused) is refused: RunIsLive."""
-        from ratchet.config import load_config
-        from ratchet.config.resume_keys import check_resume_changes
-        from ratchet.storage import CheckpointStore, ObjectStore
+        from ratchet.storage import CheckpointStore
         from ratchet.storage.layout import RunLayout
 
         check_id(run_id)
@@ -245,13 +261,7 @@ class Client:
                 f"overrides (RunHandle.resume()); to resume it from a checkpoint, stop it first (`ratchet stop {run_id}`) "
                 "and wait until it has ended"
             )
-        root = root or RunLayout.DEFAULT_ROOT
-        run_store = ObjectStore(root).child(run_id)
-        if not run_store.exists(RunLayout.CONFIG):
-            raise FileNotFoundError(f"no run {run_id!r} under {root} (pass --root, the run's storage.root)")
-        stored = run_store.get_json(RunLayout.CONFIG)
-        cfg = load_config(None, overrides, base=stored)
-        changed = check_resume_changes(_normalised(stored), cfg.model_dump(mode="json"))
+        run_store, stored, cfg, changed = stored_config_with(run_id, root, overrides)
         checkpoints = CheckpointStore(run_store)
         info = checkpoints.get(checkpoint) if checkpoint else checkpoints.latest()
         if info is None:

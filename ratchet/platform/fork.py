@@ -62,25 +62,17 @@ def fork(
     new_run_id: str | None = None,
 ) -> RunHandle:  # fmt: skip
     """Start a new run from checkpoint `checkpoint` of run `run_id` (see the module doc)."""
-    from ratchet.config import load_config
     from ratchet.config.live_keys import without
-    from ratchet.config.resume_keys import check_resume_changes
     from ratchet.storage import CheckpointStore, ObjectStore
     from ratchet.storage.layout import RunLayout
 
-    from .client import RunHandle, _normalised, loop_plan, make_run_id, read_run_state
+    from .client import RunHandle, loop_plan, make_run_id, read_run_state, stored_config_with
 
     check_id(run_id)
     name = check_id(checkpoint_name(checkpoint), "checkpoint name")
     if new_run_id is not None:
         check_id(new_run_id)
-    root = root or RunLayout.DEFAULT_ROOT
-    parent = ObjectStore(root).child(run_id)
-    if not parent.exists(RunLayout.CONFIG):
-        raise FileNotFoundError(f"no run {run_id!r} under {root} (pass --root, the run's storage.root)")
-    stored = parent.get_json(RunLayout.CONFIG)
-    cfg = load_config(None, overrides, base=stored)
-    changed = check_resume_changes(_normalised(stored), cfg.model_dump(mode="json"))
+    parent, stored, cfg, changed = stored_config_with(run_id, root, overrides)
     checkpoints = CheckpointStore(parent)
     names = [c.name for c in checkpoints.list()]
     if name not in names:
