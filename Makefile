@@ -31,10 +31,16 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(BROWSER):
 	$(SUDO) apt-get install -y -q chromium >/dev/null || ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q chromium >/dev/null)
 
+# The deploy tests validate the compose file with `docker-compose config` (no daemon needed).
+COMPOSE := /usr/bin/docker-compose
+
+$(COMPOSE):
+	$(SUDO) apt-get install -y -q docker-compose >/dev/null || ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q docker-compose >/dev/null)
+
 # Two test processes: most of the suite waits (on services, timeouts, a 30 s outage), so
 # two files at a time fill the two cores CI has. A file stays in one process (--dist
 # loadfile), so module fixtures are shared; each process starts its own platform.
-test: $(STAMP) $(BROWSER)
+test: $(STAMP) $(BROWSER) $(COMPOSE)
 	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25 -n 2 --dist loadfile
 
 # Everything that starts no Ray: unit tests, bad input, storage on the S3 server, the

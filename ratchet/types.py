@@ -365,6 +365,19 @@ class FinishOutput:
 
 
 @dataclass
+class EvacuateInput:
+    """Move the run's actors off Ray nodes that are about to go (`ratchet drain`)."""
+
+    run: RunRef
+    node_ids: list[str]
+
+
+@dataclass
+class EvacuateOutput:
+    released: list[str] = field(default_factory=list)  # actor names killed; rebuilt from the checkpoint
+
+
+@dataclass
 class ReleaseInput:
     """Release every Ray actor of a run (any way the run ends: completed, failed, cancelled)."""
 

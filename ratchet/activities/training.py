@@ -280,7 +280,8 @@ def checkpoint(inp: t.CheckpointInput) -> t.CheckpointOutput:
 
 
 def _checkpoint_errors(outs: list[CheckpointStarted | CheckpointOutcome]) -> str:
-    """The failures the ranks report (rank 0 uploads; every rank writes), as one text."""
+    """The failures the ranks report (every rank writes and uploads its own files; rank 0
+    commits), as one text."""
     return "; ".join(dict.fromkeys(o.error for o in outs if o.error))
 
 

@@ -44,12 +44,30 @@ def _exit_on_config_error(fn, *args, **kwargs):
 
 
 @app.command()
-def up(state_dir: Optional[Path] = StateDir) -> None:
+def up(
+    state_dir: Optional[Path] = StateDir,
+    nodes: Optional[int] = typer.Option(
+        None, "--nodes", min=0, max=16,
+        help="Extra Ray nodes on this machine, each with its own ratchet worker, to try a cluster (default $RATCHET_NODES or 0). "
+        "A node that died is started again.",
+    ),
+    node_cpus: Optional[float] = typer.Option(None, "--node-cpus", min=0.01, help="Ray CPUs each extra node offers (default $RATCHET_NODE_CPUS or 2)."),
+    node_workers: bool = typer.Option(True, "--node-workers/--no-node-workers", help="Whether each of the --nodes runs a ratchet worker."),
+    worker_nodes: Optional[int] = typer.Option(
+        None, "--worker-nodes", min=0, max=16,
+        help="Extra nodes with no CPUs that only run a ratchet worker, as deploy/ runs workers (default $RATCHET_WORKER_NODES or 0).",
+    ),
+) -> None:
     """Start the embedded Temporal dev server and a local Ray (idempotent)."""
     from .services import ServiceError, up as start
 
     try:
-        st = start(_settings(state_dir))
+        settings = _settings(state_dir)
+        settings.nodes = settings.nodes if nodes is None else nodes
+        settings.node_cpus = settings.node_cpus if node_cpus is None else node_cpus
+        settings.node_workers = node_workers
+        settings.worker_nodes = settings.worker_nodes if worker_nodes is None else worker_nodes
+        st = start(settings)
     except ServiceError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1)
@@ -83,7 +101,7 @@ def _print_status(st) -> None:
 def worker(
     temporal_address: Optional[str] = typer.Option(None, help="Temporal frontend host:port (default $RATCHET_TEMPORAL_ADDRESS or 127.0.0.1:7233)."),
     ray_address: Optional[str] = typer.Option(None, help="Ray GCS host:port (default $RATCHET_RAY_ADDRESS or 127.0.0.1:6380)."),
-    namespace: Optional[str] = typer.Option(None, help="Temporal namespace (default $RATCHET_NAMESPACE or 'default')."),
+    namespace: Optional[str] = typer.Option(None, help="Temporal namespace (default $RATCHET_TEMPORAL_NAMESPACE, $RATCHET_NAMESPACE or 'default'; TLS and API key: docs/deploy.md)."),
 ) -> None:
     """Run a Temporal worker for ratchet's workflows and activities (SIGTERM stops it gracefully)."""
     from .worker import WorkerSettings, run_worker
@@ -271,6 +289,37 @@ def checkpoints(run_id: str, root: Optional[str] = RootOption) -> None:
 def stop(run_id: str) -> None:
     """Stop RUN_ID at its next step boundary (it exports its policy and completes)."""
     _signal(run_id, "stop")
+
+
+@app.command()
+def drain(
+    node: str = typer.Argument(..., help="The Ray node about to go: its name (node-2), node id (or a unique prefix) or address."),
+    deadline_s: Optional[float] = typer.Option(None, "--deadline-s", min=1, help="Seconds until the node is taken away (tells Ray; informational)."),
+    wait_s: float = typer.Option(300.0, "--wait-s", min=0, help="Wait this long until no run has an actor on the node (0: do not wait)."),
+) -> None:
+    """A node is about to go (spot reclaim, Kubernetes drain): Ray places nothing new on it,
+    and every run with actors there checkpoints at its next step boundary and moves them off."""
+    from .client import Client
+    from .drain import drain_node
+    from .worker import WorkerSettings, connect_ray
+
+    settings = WorkerSettings.from_env()
+    connect_ray(settings.ray_address, settings.ray_auth_env)
+    client = Client.connect(settings.temporal_address, namespace=settings.namespace)
+    with console.status(f"draining {node}") as spinner:
+        try:
+            result = drain_node(
+                client, node, deadline_s=deadline_s, wait_s=wait_s,
+                on_wait=lambda left: spinner.update(f"waiting for {len(left)} run(s) to move off {node}: {', '.join(left)}"),
+            )  # fmt: skip
+        except (ValueError, RuntimeError) as exc:
+            err.print(f"[red]{exc}[/red]")
+            _flush_and_exit(1)
+    told = ", ".join(result.runs) or "no run had actors there"
+    console.print(f"node {result.node_name} ({result.node_id[:12]}) is draining; told: {told}")
+    if wait_s and result.runs:
+        console.print("every run moved off it" if result.moved else f"[yellow]runs still on it after {wait_s:g} s[/yellow]")
+    _flush_and_exit(0 if result.moved or not result.runs or not wait_s else 1)
 
 
 @app.command()
@@ -649,7 +698,13 @@ def plot(
 
 def main() -> None:
     logging.basicConfig(level=os.environ.get("RATCHET_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app()
+    from .temporal_connection import TemporalConnectionError
+
+    try:
+        app()
+    except TemporalConnectionError as exc:  # a RATCHET_TEMPORAL_* variable: its name and the fix, no traceback
+        err.print(f"[red]Temporal connection settings: {exc}[/red]", highlight=False, soft_wrap=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

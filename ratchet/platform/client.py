@@ -120,6 +120,11 @@ class RunHandle(WorkflowHandle):
         """End the run at the next step boundary; it exports the policy and completes."""
         self._signal("stop")
 
+    def drain(self, node_id: str) -> None:
+        """Ray node `node_id` is about to go: the run checkpoints at its next step boundary
+        and moves its actors off it (`ratchet drain NODE` finds the runs and sends this)."""
+        self.client._run(self._handle().signal("drain", node_id))
+
     def set(self, changes: Sequence[str] | Mapping[str, Any] = (), /, **values: Any) -> LiveChange:
         """Change hyper-parameters from the run's next step boundary:
         `handle.set(["trainer.lr=1e-5"])` or `handle.set(**{"trainer.lr": 1e-5})`. The keys
@@ -176,14 +181,19 @@ class Client:
         self._has_search_attributes = False  # the namespace has ratchet's (checked until it has)
 
     @classmethod
-    def connect(cls, address: str | None = None, *, namespace: str = "default", task_queue: str = TASK_QUEUE) -> "Client":
+    def connect(cls, address: str | None = None, *, namespace: str | None = None, task_queue: str = TASK_QUEUE) -> "Client":
+        """Connect to the Temporal frontend at `address` (default $RATCHET_TEMPORAL_ADDRESS or
+        the embedded server's). The namespace (default $RATCHET_TEMPORAL_NAMESPACE, else
+        `default`), TLS and an API key come from the environment (`temporal_connection`)."""
         from temporalio.client import Client as TemporalClient
 
+        from .temporal_connection import connect_options
         from .worker import default_temporal_address
 
         address = address or default_temporal_address()
+        options = connect_options(namespace)  # before the loop: a bad variable names itself
         loop = asyncio.new_event_loop()
-        temporal = loop.run_until_complete(TemporalClient.connect(address, namespace=namespace))
+        temporal = loop.run_until_complete(TemporalClient.connect(address, **options))
         return cls(temporal, loop, task_queue)
 
     def _run(self, coro):

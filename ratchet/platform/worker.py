@@ -21,6 +21,8 @@ from ratchet.types import TASK_QUEUE
 
 from .services import ServiceSettings, ray_address, ray_auth_env, temporal_address
 from .services.ray_auth import record_applied
+from .temporal_connection import connect_options, namespace_from_env
+from .temporal_connection import from_env as temporal_from_env
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +45,21 @@ class WorkerSettings:
     # RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH of the Ray head (`services.ray_auth_env`):
     # a path, not the token; kept out of the repr all the same.
     ray_auth_env: dict[str, str] = field(default_factory=dict, repr=False)
+    # How Temporal names this worker (a pending activity's `last_worker_identity`); None:
+    # the SDK's `pid@host`. A node of `ratchet up --nodes` sets `node-<i>/<pid>`.
+    identity: str | None = None
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
         env = os.environ
         return cls(
             temporal_address=default_temporal_address(),
-            namespace=env.get("RATCHET_NAMESPACE", "default"),
+            namespace=namespace_from_env(env),  # RATCHET_TEMPORAL_NAMESPACE or RATCHET_NAMESPACE
             ray_address=env.get("RATCHET_RAY_ADDRESS") or ray_address(ServiceSettings.from_env()),
             task_queue=env.get("RATCHET_TASK_QUEUE", TASK_QUEUE),
             sticky_schedule_to_start_seconds=float(env.get("RATCHET_STICKY_TIMEOUT_S", "10")),
             ray_auth_env=ray_auth_env(ServiceSettings.from_env()),
+            identity=env.get("RATCHET_WORKER_IDENTITY") or None,
         )
 
 
@@ -86,6 +92,7 @@ def connect_ray(address: str, auth_env: dict[str, str] | None = None) -> None:
 def build_worker(client, settings: WorkerSettings, executor: ThreadPoolExecutor):
     from temporalio.worker import Worker
 
+    from ratchet.activities.nodes import NODE_ACTIVITIES
     from ratchet.activities.sweep_trials import SWEEP_ACTIVITIES
     from ratchet.activities.training import ALL_ACTIVITIES
     from ratchet.workflows.launch import ScheduledLaunchWorkflow
@@ -96,11 +103,12 @@ def build_worker(client, settings: WorkerSettings, executor: ThreadPoolExecutor)
         client,
         task_queue=settings.task_queue,
         workflows=[TrainingWorkflow, SweepWorkflow, ScheduledLaunchWorkflow],
-        activities=[*ALL_ACTIVITIES, *SWEEP_ACTIVITIES],
+        activities=[*ALL_ACTIVITIES, *SWEEP_ACTIVITIES, *NODE_ACTIVITIES],
         activity_executor=executor,
         max_concurrent_activities=settings.max_concurrent_activities,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_schedule_to_start_seconds),
         graceful_shutdown_timeout=timedelta(seconds=10),
+        **({"identity": settings.identity} if settings.identity else {}),
     )
 
 
@@ -109,6 +117,9 @@ async def _connect_temporal(client_cls, settings: WorkerSettings, timeout_s: flo
     starts in that moment would otherwise exit and leave its runs without a worker."""
     from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+    # TLS and API key from the environment, checked before the first attempt: a bad setting
+    # is a ValueError naming the variable, never retried as an unreachable server.
+    options = connect_options(settings.namespace)
     async for attempt in AsyncRetrying(
         retry=retry_if_exception_type(RuntimeError),
         stop=stop_after_delay(timeout_s),
@@ -117,7 +128,7 @@ async def _connect_temporal(client_cls, settings: WorkerSettings, timeout_s: flo
         before_sleep=lambda state: log.warning("Temporal at %s not reachable yet; retrying", settings.temporal_address),
     ):
         with attempt:
-            return await client_cls.connect(settings.temporal_address, namespace=settings.namespace)
+            return await client_cls.connect(settings.temporal_address, **options)
 
 
 async def _sweep_leftover_actors(client) -> None:
@@ -138,6 +149,8 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
     """Run until `stop` is set or the process gets SIGTERM/SIGINT."""
     from temporalio.client import Client
 
+    # A bad TLS or API-key variable fails here, before Ray is joined; the line never holds the key.
+    log.info("Temporal at %s: %s", settings.temporal_address, temporal_from_env(namespace=settings.namespace).describe())
     connect_ray(settings.ray_address, settings.ray_auth_env)
     client = await _connect_temporal(Client, settings)
     await _sweep_leftover_actors(client)

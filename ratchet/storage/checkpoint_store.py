@@ -8,6 +8,12 @@ are `RunLayout`'s. A checkpoint without a manifest does not exist
 `apply_retention` removes later. Readers that must not trust storage blindly (a restore
 after a crash) use `latest()` / `download(verify=True)`, which check every byte against the
 manifest and fall back to the previous good checkpoint.
+
+One writer commits a local folder with `commit`. A checkpoint written from several nodes
+(the trainer ranks, each with its own disk) is committed in three parts: the sealing
+writer `begin`s (an earlier attempt's manifest goes), then every writer `upload`s its own
+folder, and once all have, the sealing writer `seal`s with every writer's file list: the
+manifest, still written last, lists every rank's files.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from ratchet.ids import check_id, is_valid_id
 
@@ -96,48 +102,89 @@ class CheckpointStore:
     # ------------------------------------------------------------------ write
 
     def commit(self, name: str, local_dir: str | os.PathLike, meta: dict) -> CheckpointInfo:
-        """Upload every file under `local_dir`, then the manifest. Re-committing a name (a
-        retried activity) first removes the old manifest, so readers never see the old
-        manifest over new bytes."""
+        """Upload every file under `local_dir`, then the manifest: `begin`, `upload` and
+        `seal` by one writer. Re-committing a name (a retried activity) first removes the
+        old manifest, so readers never see the old manifest over new bytes."""
         self._check_name(name)
-        local_dir = Path(local_dir)
-        if not local_dir.is_dir():
-            raise NotADirectoryError(f"checkpoint {name!r}: local_dir {local_dir} is not a folder")
+        self._local_files(name, local_dir)  # a bad folder is refused before anything changes
+        self._check_meta(name, meta)
+        self.begin(name)
+        return self.seal(name, self.upload(name, local_dir), meta)
+
+    def begin(self, name: str) -> None:
+        """Make `name` invisible before new bytes are written under it: an earlier
+        attempt's manifest is deleted. With several writers (one per trainer rank), the
+        one that seals calls this, and the others upload only after it returned."""
+        self._check_name(name)
+        manifest_key = self._key(name, MANIFEST)
+        if self.store.exists(manifest_key):
+            log.info("checkpoint %s exists; replacing it", self.store.uri(self._key(name)))
+            self.store.delete(manifest_key)
+
+    def upload(self, name: str, local_dir: str | os.PathLike) -> dict[str, FileEntry]:
+        """Upload every file under `local_dir` into checkpoint `name` (relative paths
+        kept); no manifest. Returns each file's size and sha256 for `seal`. Each writer
+        of a checkpoint (each trainer rank, from its own node) uploads its own folder."""
+        self._check_name(name)
+        files: dict[str, FileEntry] = {}
+        for path, rel in self._local_files(name, local_dir):
+            t = self.store.put_file(self._key(name, rel), path)
+            files[rel] = FileEntry(t.size, t.sha256)
+        return files
+
+    def seal(self, name: str, files: Mapping[str, FileEntry], meta: dict) -> CheckpointInfo:
+        """Commit checkpoint `name` made of the uploaded `files` (every writer's `upload`
+        result, merged): the manifest is written last, listing each file with its size and
+        sha256. Refused when a listed file is not stored. Then objects under the name that
+        the manifest does not list (an earlier attempt's) are deleted."""
+        self._check_name(name)
+        self._check_meta(name, meta)
+        for rel in files:
+            self._check_rel(name, rel)
+        stored = set(self.store.list(self._key(name)))
+        missing = sorted(rel for rel in files if self._key(name, rel) not in stored)
+        if missing:
+            raise FileNotFoundError(f"checkpoint {name!r}: cannot commit, files not uploaded: {', '.join(missing[:5])}")
+        manifest_key = self._key(name, MANIFEST)
+        created = datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+        header = {"format": FORMAT, "name": name, "step": _step_of(meta), "created": created, "meta": meta}
+        entries = {rel: files[rel] for rel in sorted(files)}
+        manifest = Manifest(entries, {**header, "total_bytes": sum(f.size for f in entries.values())})
+        self.store.put_json(manifest_key, manifest.to_json(CHECKPOINT))
+        # Files of an earlier attempt under this name that this commit no longer has.
+        for key in sorted(stored - {self._key(name, rel) for rel in entries} - {manifest_key}):
+            self.store.delete(key)
+        info = self._info(name, manifest)
+        log.info("committed checkpoint %s (%d files, %d bytes)", info.uri, len(entries), info.total_bytes)
+        return info
+
+    @staticmethod
+    def _check_meta(name: str, meta: dict) -> None:
         try:
             json.dumps(meta)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"checkpoint {name!r}: meta must be JSON-serializable ({exc})") from None
+
+    @staticmethod
+    def _check_rel(name: str, rel: str) -> None:
+        if rel == MANIFEST:
+            raise ValueError(
+                f"checkpoint {name!r}: the folder already has a {MANIFEST} (a downloaded checkpoint?); "
+                "CheckpointStore writes it itself, remove it from the folder"
+            )
+        if ".tmp-" in rel or rel.endswith(".part"):
+            raise ValueError(f"checkpoint {name!r}: file name {rel!r} looks like a temporary file (.tmp-, .part); rename it")
+
+    def _local_files(self, name: str, local_dir: str | os.PathLike) -> list[tuple[Path, str]]:
+        """(path, relative path) of every file under `local_dir`, checked."""
+        local_dir = Path(local_dir)
+        if not local_dir.is_dir():
+            raise NotADirectoryError(f"checkpoint {name!r}: local_dir {local_dir} is not a folder")
         paths = sorted(p for p in local_dir.rglob("*") if p.is_file())
-        rels = [p.relative_to(local_dir).as_posix() for p in paths]
-        for rel in rels:
-            if rel == MANIFEST:
-                raise ValueError(
-                    f"checkpoint {name!r}: {local_dir} already has a {MANIFEST} (a downloaded checkpoint?); "
-                    "CheckpointStore writes it itself, remove it from the folder"
-                )
-            if ".tmp-" in rel or rel.endswith(".part"):
-                raise ValueError(f"checkpoint {name!r}: file name {rel!r} looks like a temporary file (.tmp-, .part); rename it")
-
-        manifest_key = self._key(name, MANIFEST)
-        before = set(self.store.list(self._key(name)))
-        if manifest_key in before:
-            log.info("checkpoint %s exists; replacing it", self.store.uri(self._key(name)))
-            self.store.delete(manifest_key)
-
-        files: dict[str, FileEntry] = {}
-        for path, rel in zip(paths, rels):
-            t = self.store.put_file(self._key(name, rel), path)
-            files[rel] = FileEntry(t.size, t.sha256)
-        created = datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
-        header = {"format": FORMAT, "name": name, "step": _step_of(meta), "created": created, "meta": meta}
-        manifest = Manifest(files, {**header, "total_bytes": sum(f.size for f in files.values())})
-        self.store.put_json(manifest_key, manifest.to_json(CHECKPOINT))
-        # Files of an earlier attempt under this name that this commit no longer has.
-        for key in sorted(before - {self._key(name, rel) for rel in rels} - {manifest_key}):
-            self.store.delete(key)
-        info = self._info(name, manifest)
-        log.info("committed checkpoint %s (%d files, %d bytes)", info.uri, len(files), info.total_bytes)
-        return info
+        out = [(p, p.relative_to(local_dir).as_posix()) for p in paths]
+        for _, rel in out:
+            self._check_rel(name, rel)
+        return out
 
     # ------------------------------------------------------------------ read
 
@@ -288,13 +335,19 @@ class CheckpointStore:
         return out
 
     def download(
-        self, name: str, local_dir: str | os.PathLike, verify: bool = True, progress: Callable[[str], None] | None = None
-    ) -> CheckpointInfo:
+        self, name: str, local_dir: str | os.PathLike, verify: bool = True, progress: Callable[[str], None] | None = None,
+        under: str | None = None,
+    ) -> CheckpointInfo:  # fmt: skip
         """Fetch `name` into `local_dir` (files at their relative paths, `MANIFEST.json`
         last). Interrupted downloads resume. With `verify`, a file whose sha256 differs
         from the manifest is fetched once more from scratch (it may have resumed on a
         stale partial file) and then raises CorruptCheckpoint. `progress`, if given, is
-        called after each file with a short text (e.g. to heartbeat an activity)."""
+        called after each file with a short text (e.g. to heartbeat an activity).
+
+        `under` (a folder of the checkpoint, e.g. `trainer`): only the files below it, for
+        a reader that needs only them (a trainer rank restoring its state does not need
+        the Hugging Face export); no local `MANIFEST.json` is written then, since the
+        local copy is not the whole checkpoint."""
         info, manifest, raw = self._load_manifest(name)
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
@@ -302,7 +355,11 @@ class CheckpointStore:
         problems = []
         root = local_dir.resolve()
         done_bytes = 0
-        for number, rel in enumerate(manifest.files, 1):
+        wanted = [rel for rel in manifest.files if under is None or rel.startswith(under.strip("/") + "/")]
+        if under is not None and not wanted:
+            raise FileNotFoundError(f"checkpoint {name!r} has no files under {under!r}")
+        total_bytes = sum(manifest.files[rel].size for rel in wanted)
+        for number, rel in enumerate(wanted, 1):
             target = local_dir / rel
             if not target.resolve().is_relative_to(root):
                 raise CorruptCheckpoint(name, [f"manifest path {rel!r} points outside the checkpoint folder"])
@@ -321,10 +378,11 @@ class CheckpointStore:
                 problems.append(problem)
             done_bytes += t.size
             if progress is not None:
-                progress(f"{name}: {number}/{len(info.files)} files, {done_bytes}/{info.total_bytes} bytes ({rel})")
+                progress(f"{name}: {number}/{len(wanted)} files, {done_bytes}/{total_bytes} bytes ({rel})")
         if problems:
             raise CorruptCheckpoint(name, problems)
-        (local_dir / MANIFEST).write_bytes(raw)
+        if under is None:
+            (local_dir / MANIFEST).write_bytes(raw)
         return info
 
     # ------------------------------------------------------------------ delete

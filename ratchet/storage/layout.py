@@ -65,7 +65,7 @@ class RunLayout:
     MODEL_MANIFEST: Final = "manifest.json"
 
     # -- checkpoints (`checkpoints/<name>/...`, committed by CHECKPOINT_MANIFEST written last) --
-    # CheckpointStore (called by TrainerWorker rank 0) writes them; recovery, Client.resume and `ratchet checkpoints` read.
+    # Every trainer rank uploads its files (CheckpointStore.upload), rank 0 seals them; recovery, Client.resume and `ratchet checkpoints` read.
     CHECKPOINTS: Final = "checkpoints"
     # CheckpointStore.commit writes it last; every reader of a checkpoint reads it first.
     CHECKPOINT_MANIFEST: Final = "MANIFEST.json"
@@ -73,7 +73,7 @@ class RunLayout:
     CHECKPOINT_RETIRED: Final = "RETIRED.json"
     # Inside a checkpoint. TrainerWorker writes the workflow's run state; Client.resume reads it.
     RUN_STATE: Final = "run_state.json"
-    # Inside a checkpoint. Every trainer rank writes its sharded state (workers/checkpointing.py); TrainerWorker.restore reads it.
+    # Inside a checkpoint. Every trainer rank writes its sharded state (workers/checkpointing.py); TrainerWorker.restore_from_store reads it.
     TRAINER_STATE: Final = "trainer"
     # Inside TRAINER_STATE. workers/checkpointing.write_snapshot writes it; load_trainer_state reads it.
     TRAINER_META: Final = "trainer_meta.json"

@@ -1,7 +1,9 @@
 """Sharded trainer-state checkpoints with `torch.distributed.checkpoint` (DCP); no pickles.
 
-What a checkpoint folder holds (the ranks of a save write into one local folder; on
-several nodes, upload every node's files, and give a load the whole folder on every node):
+What a checkpoint folder holds (each rank of a save may write into a folder of its own,
+on its own node: it gets only its own shard; a load needs every rank's files in the one
+folder it is given: TrainerWorker has each rank upload its folder, and each restoring rank
+download the whole `trainer/` folder from the object store):
 
 - `shard-{k:05d}-model-00001-of-00001.safetensors`, one per rank that had something to
   write (k = rank + 1): that rank's pieces of the model weights, the AdamW moments
@@ -223,28 +225,51 @@ def snapshot(trainer: PolicyTrainer, extra: dict | None = None) -> TrainerSnapsh
 
 def write_snapshot(snap: TrainerSnapshot, local_dir: str | Path) -> int:
     """Write a snapshot into `local_dir` (every rank calls; safe in a background thread).
-    Returns the bytes in the folder afterwards."""
+    Returns the bytes in the folder afterwards. The folder may be this rank's own (then it
+    gets this rank's shard, and rank 0's also the meta file) or shared by the ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     out = Path(local_dir)
-    distributed = snap.world_size > 1
-    # Every rank clears what an earlier save left (the folder may be shared or per node);
-    # nobody writes before all have (the barrier).
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob(f"*{STATE_SUFFIX}"), out / RunLayout.TRAINER_META]:
-        stale.unlink(missing_ok=True)
-    if distributed:
-        dist.barrier(group=snap.process_group)
+
+    def clear() -> None:
+        # What an earlier save left; nobody writes before all have cleared (a shared folder).
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in [*out.glob(f"*{STATE_SUFFIX}"), out / RunLayout.TRAINER_META]:
+            stale.unlink(missing_ok=True)
+
+    def write_meta() -> None:
+        if snap.rank == 0:
+            tmp = out / f".{RunLayout.TRAINER_META}.tmp"
+            tmp.write_text(json.dumps(snap.meta, indent=1, sort_keys=True))
+            os.replace(tmp, out / RunLayout.TRAINER_META)
+
+    # The local steps of one rank (its disk) can fail alone; the ranks agree on them
+    # before going on, so that no rank waits in a collective the failed one never joins.
+    _together(snap, clear, "preparing the folder")
     writer = HuggingFaceStorageWriter(str(out), save_distributed=True)
-    dcp.save(snap.state, storage_writer=writer, process_group=snap.process_group, no_dist=not distributed)
-    if snap.rank == 0:
-        tmp = out / f".{RunLayout.TRAINER_META}.tmp"
-        tmp.write_text(json.dumps(snap.meta, indent=1, sort_keys=True))
-        os.replace(tmp, out / RunLayout.TRAINER_META)
-    if distributed:
-        dist.barrier(group=snap.process_group)  # the folder is complete on every rank's return
+    dcp.save(snap.state, storage_writer=writer, process_group=snap.process_group, no_dist=snap.world_size == 1)
+    _together(snap, write_meta, "writing the meta file")  # the folder is complete on every rank's return
     return checkpoint_bytes(out)
+
+
+def _together(snap: TrainerSnapshot, step, what: str) -> None:
+    """Run this rank's `step`, then learn every rank's outcome: the rank whose step failed
+    raises its error, the others a RuntimeError naming it."""
+    error: BaseException | None = None
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised
+        error = e
+    if snap.world_size > 1:
+        told = all_ranks(None if error is None else f"{type(error).__name__}: {error}", snap.world_size, snap.process_group)
+    else:
+        told = [None]
+    if error is not None:
+        raise error
+    failed = [f"rank {r}: {t}" for r, t in enumerate(told) if t]
+    if failed:
+        raise RuntimeError(f"{what} for the trainer state failed on {'; '.join(failed)}")
 
 
 def save_trainer_state(trainer: PolicyTrainer, local_dir: str | Path, extra: dict | None = None) -> None:
@@ -252,7 +277,30 @@ def save_trainer_state(trainer: PolicyTrainer, local_dir: str | Path, extra: dic
     write_snapshot(snapshot(trainer, extra), local_dir)
 
 
+def all_ranks(value: Any, world_size: int, group: Any = None) -> list:
+    """Every rank's `value` in rank order (every rank calls: a collective on the
+    checkpoint group, or on `group`). For small outcomes (an error text, a file list)
+    that the ranks must agree on; they stay in memory, never on storage. One rank: [value]."""
+    if world_size == 1:
+        return [value]
+    out: list = [None] * world_size
+    dist.all_gather_object(out, value, group=group if group is not None else _checkpoint_group())
+    return out
+
+
 # --------------------------------------------------------------------------- load
+
+
+@dataclass(frozen=True)
+class StoreRestore:
+    """What a trainer rank's restore from the object store came to (the same on every
+    rank): the version loaded, or, when a file did not match the checkpoint's manifest on
+    any rank, None and the problems (then no rank loaded anything, and the caller may try
+    an older checkpoint)."""
+
+    name: str
+    version: int | None
+    problems: tuple[str, ...] = ()
 
 
 def read_meta(local_dir: str | Path) -> dict:

@@ -7,8 +7,10 @@ another user can create it first, plant files in it, or read what is staged ther
 folder under the home is the user's alone, so nobody else can create it first. Why not a
 `tempfile.mkdtemp` per process: the folder must be shared by this user's processes: the
 trainer, rollout and reward actors of one node load the same model (one download, not
-three), and the trainer ranks of one node write one checkpoint folder together without
-talking to each other about its name. When the home folder cannot be written (a
+three). Checkpoint staging (`staging_dir`) and restores (`restore_dir`) use a folder per
+trainer rank: nothing here is shared between nodes, and nothing needs to be (checkpoints
+go to and come from the object store). Each node has its own base: set $RATCHET_CACHE_DIR
+per node (or per process) to choose it. When the home folder cannot be written (a
 read-only container), a `mkdtemp` folder is the fallback: private too, only not shared.
 
 Whatever the place, the base folder is checked on first use: it must be a real folder
@@ -109,14 +111,30 @@ def models_dir() -> Path:
     return private_subdir("models")
 
 
-def staging_dir(run_id: str, name: str) -> Path:
-    """Where the ranks of one node write a checkpoint before it is uploaded. The name is
-    fixed (ranks of one node find it without talking to each other) and private (under
-    the 0700 base); the run id and checkpoint name are checked, so neither can escape."""
+def staging_dir(run_id: str, name: str, rank: int | None = None) -> Path:
+    """Where a checkpoint is written before it is uploaded: `staging/<run>/<name>`, and
+    with `rank`, that trainer rank's own folder in it (`rank-00001`). Each rank writes and
+    uploads only its own folder, so the ranks of a checkpoint need no disk in common (they
+    may be on different nodes) and two ranks on one node never clear each other's files.
+    The name is fixed and private (under the 0700 base); the run id and checkpoint name
+    are checked, so neither can escape."""
     check_id(run_id, "run id")
     check_id(name, "checkpoint name")
     _prune_empty(private_subdir("staging"), keep=run_id)
-    return private_subdir("staging", run_id) / name
+    folder = private_subdir("staging", run_id) / name
+    if rank is None:
+        return folder
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"trainer rank {rank!r}: expected an integer >= 0")
+    return folder / f"rank-{rank:05d}"
+
+
+def restore_dir(run_id: str) -> Path:
+    """A fresh private folder on this node for a trainer rank restoring run `run_id`'s
+    state from the object store (`restore/<run>-XXXX`); the caller removes it once
+    loaded. One per call: ranks on one node, or a retried restore, never share one."""
+    check_id(run_id, "run id")
+    return Path(tempfile.mkdtemp(prefix=f"{run_id}-", dir=private_subdir("restore")))
 
 
 def _prune_empty(folder: Path, keep: str, older_than_s: float = 3600.0) -> None:
@@ -132,4 +150,6 @@ def _prune_empty(folder: Path, keep: str, older_than_s: float = 3600.0) -> None:
             continue
 
 
-__all__ = ["ENV_VAR", "UnsafeLocalDir", "ensure_private_dir", "models_dir", "private_base", "private_subdir", "staging_dir"]
+__all__ = [
+    "ENV_VAR", "UnsafeLocalDir", "ensure_private_dir", "models_dir", "private_base", "private_subdir", "restore_dir", "staging_dir",
+]  # fmt: skip

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 
 
 def configure_worker_process(torch_threads: int, deterministic_seed: int | None = None) -> None:
@@ -47,10 +49,58 @@ def resolve_device(requested: str, rank: int = 0):
     return torch.device("cuda", index)
 
 
-def join_process_group(device, rank: int, world_size: int, master_port: int | None = None) -> str:
+LOOPBACK = "127.0.0.1"
+GLOO_IFNAME_VAR = "GLOO_SOCKET_IFNAME"
+
+
+def node_address() -> str:
+    """The address this process's node has in the Ray cluster (where the other nodes
+    reach it); 127.0.0.1 outside Ray. On one machine started by ratchet that is
+    127.0.0.1 too (`ray start --node-ip-address 127.0.0.1`)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else LOOPBACK
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port free on `host` now (the address that will listen on it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost (a host name other than localhost is not)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds `address` (eth0), or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def join_process_group(
+    device, rank: int, world_size: int, master_port: int | None = None, master_addr: str = LOOPBACK, local_addr: str | None = None
+) -> str:
     """Initialise torch.distributed for a trainer rank: NCCL on CUDA, gloo on CPU. One rank
     alone (FSDP2 on one GPU still needs a group) uses an in-process store: no port. Returns
-    the backend."""
+    the backend.
+
+    `master_addr`: the address of rank 0's node (its TCPStore listens there); ranks on
+    other nodes reach it by that address, so it is never 127.0.0.1 on a cluster.
+    `local_addr`: this rank's own node address. Gloo picks the address its pairs listen
+    on from the host name, which often resolves to 127.0.0.1 (it does here): ranks on
+    another node could not connect. So when the rendezvous is not on the loopback, gloo
+    is pinned to the interface that holds `local_addr` (unless $GLOO_SOCKET_IFNAME is
+    already set)."""
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -59,7 +109,15 @@ def join_process_group(device, rank: int, world_size: int, master_port: int | No
         return backend
     if master_port is None:
         raise ValueError("a process group of more than one rank needs the rendezvous port")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+    if not master_addr:
+        raise ValueError("a process group of more than one rank needs rank 0's address (master_addr)")
+    if not is_loopback(master_addr) and local_addr and GLOO_IFNAME_VAR not in os.environ:
+        interface = interface_of(local_addr)
+        if interface is not None:
+            os.environ[GLOO_IFNAME_VAR] = interface  # also the checkpoint group's (a gloo group)
+        else:
+            logging.getLogger(__name__).warning("no network interface holds %s; gloo picks one by the host name", local_addr)
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     return backend

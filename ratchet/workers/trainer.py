@@ -6,8 +6,11 @@ Every update is logged (`train_log/v<version>.json`: which stored batch, how man
 the KL coefficient), so a lost trainer is rebuilt from the last checkpoint plus a replay
 of the updates after it (workers/actors/recovery.py). Checkpoints are taken without stalling
 training for the upload: a snapshot of the state is copied to memory, and a background
-thread writes it (torch.distributed.checkpoint), exports the policy in Hugging Face
-format, uploads the folder and commits its manifest last (storage/checkpoint_store.py).
+thread on every rank writes its shard (torch.distributed.checkpoint) into a folder of its
+own and uploads it; rank 0 also exports the policy in Hugging Face format and, once every
+rank's upload is done, commits the manifest last (storage/checkpoint_store.py). A restore
+has every rank fetch the state from the object store itself (`restore_from_store`), so no
+rank needs a disk shared with another, or with the node that wrote the checkpoint.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import socket
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -30,10 +33,10 @@ from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
 from .batch import HandedStep, HandedSummary, ScoredStep, StepScores, load_step
 from .columns import Fields, Parts
 from .hf_io import local_hf_path, upload_hf_folder, write_hf_folder
-from .local_paths import staging_dir
+from .local_paths import restore_dir, staging_dir
 from .policy_update import PolicyTrainer, check_finite_weights
 from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult
-from .runtime import configure_worker_process
+from .runtime import configure_worker_process, free_port, node_address
 from .weight_sync.ray_transport import (
     STREAM_TIMEOUT_S,
     SYNC_GROUP,
@@ -46,18 +49,14 @@ from .weight_sync.ray_transport import (
 from .weight_sync.relay import BucketRelay
 from .weight_sync.trainer_side import check_finite_shards, gather_and_offer, sync_plan
 
+if TYPE_CHECKING:
+    from .checkpointing import StoreRestore
 
 log = logging.getLogger(__name__)
 
 # `published_weights` answers from a thread of its own, while an update runs; the `sync_*`
 # methods hand buckets to the rollout replicas while the main thread gathers them.
 TRAINER_CONCURRENCY_GROUPS = {"published": 1, SYNC_GROUP: SYNC_GROUP_THREADS}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TrainerWorker:
@@ -80,13 +79,23 @@ class TrainerWorker:
         self._num_parameters = 0
         self.process_group_inits = 0  # init_process_group calls in this actor (once, or a retry broke it)
 
-    def rendezvous_port(self) -> int:
-        return free_port()
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(host, port) for the process group's rendezvous, asked of rank 0: its node's
+        address in the Ray cluster (127.0.0.1 outside Ray) and a port free there. The
+        other ranks, maybe on other nodes, pass it to `setup`."""
+        host = node_address()
+        return host, free_port(host)
 
-    def setup(self, master_port: int) -> int:
+    def rendezvous_port(self) -> int:
+        """The port of `rendezvous_address` alone (callers from before ranks could be on
+        several nodes; they pass no address to `setup`, which then means 127.0.0.1)."""
+        return self.rendezvous_address()[1]
+
+    def setup(self, master_port: int, master_addr: str | None = None) -> int:
         """Join the process group (all ranks at once) and load the policy; returns parameter
-        count. A rank already set up answers at once: a retried start_workers must not
-        initialise the process group a second time."""
+        count. `master_addr`/`master_port`: rank 0's `rendezvous_address` (no address:
+        127.0.0.1, every rank on one machine). A rank already set up answers at once: a
+        retried start_workers must not initialise the process group a second time."""
         if self.trainer is not None:
             return self._num_parameters
         if self.world_size > 1:
@@ -98,7 +107,8 @@ class TrainerWorker:
                 raise RuntimeError(f"trainer rank {self.rank}: process group joined but the set-up failed; recreate the ranks")
             # NCCL on CUDA, gloo on CPU (trainer.device); one rank on CUDA joins a group of
             # its own inside PolicyTrainer (FSDP2 needs one).
-            join_process_group(resolve_device(self.cfg.trainer.device, self.rank), self.rank, self.world_size, master_port)
+            device = resolve_device(self.cfg.trainer.device, self.rank)
+            join_process_group(device, self.rank, self.world_size, master_port, master_addr or "127.0.0.1", node_address())
             self.process_group_inits += 1
         trainer = PolicyTrainer(self.policy_path, self.cfg, rank=self.rank, world_size=self.world_size)
         self._num_parameters = trainer.num_parameters()  # a collective: every rank is here
@@ -235,8 +245,8 @@ class TrainerWorker:
 
     def engine_group_address(self) -> tuple[str, int]:
         """(host, port) for the engine group's TCPStore, which rank 0 hosts on its node."""
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        return host, free_port()
+        host = node_address()
+        return host, free_port(host)
 
     def join_engine_group(self, key: str, host: str, port: int, rank: int, world_size: int) -> str:
         """Rank 0 joins (hosts) the engine group for membership `key`; an older group is
@@ -393,28 +403,81 @@ class TrainerWorker:
         return CheckpointOutcome(error=self.start_checkpoint(step, run_state, extra_files, foreground=True).error)
 
     def _write_checkpoint(self, snap, full_state, name: str, meta: dict, run_state: dict, extra_files: dict[str, bytes]) -> None:
-        from .checkpointing import write_snapshot
+        """Every rank writes its shard into a staging folder of its own (on its own node)
+        and uploads it; rank 0 also writes the meta file, the Hugging Face export, the run
+        state and `extra_files`. Once every rank's upload is done (the ranks tell each
+        other, a collective), rank 0 commits the manifest listing every rank's files. No
+        rank needs another's disk. A failure on any rank before that is kept on every rank
+        (whichever rank is asked reports it) and nothing is committed; a failed commit is
+        kept on rank 0."""
+        from .checkpointing import all_ranks, write_snapshot
 
-        local = staging_dir(self.run.root.rpartition("/")[2], name)
+        local = staging_dir(self._run_id, name, self.rank)
+        ckpts = CheckpointStore(self.run)
+        failure: list[str] = []  # this rank's first failure
+
+        def attempt(what, *, collective: bool = False):
+            # A local step is skipped after a failure; a collective is taken part in even
+            # then, or the other ranks would wait in it for ever.
+            if failure and not collective:
+                return None
+            try:
+                return what()
+            except Exception as e:  # noqa: BLE001 - kept, and reported by the next wait_checkpoint
+                log.exception("checkpoint %s failed on trainer rank %d", name, self.rank)
+                failure.append(f"checkpoint {name} failed on trainer rank {self.rank}: {type(e).__name__}: {e}")
+                return None
+
         try:
-            write_snapshot(snap, local / RunLayout.TRAINER_STATE)  # all ranks; done everywhere on return
-            if self.rank != 0:
-                return
-            self._write_hf(full_state, local / RunLayout.CHECKPOINT_HF)  # committed by the checkpoint's manifest
-            (local / RunLayout.RUN_STATE).write_text(json.dumps(run_state, sort_keys=True))
-            for rel, data in extra_files.items():
-                (local / rel).parent.mkdir(parents=True, exist_ok=True)
-                (local / rel).write_bytes(data)
-            ckpts = CheckpointStore(self.run)
-            ckpts.commit(name, local, meta)
-            c = self.cfg.checkpoint
-            ckpts.apply_retention(keep_last=c.keep_last, keep_every=c.keep_every)
-        except Exception as e:  # noqa: BLE001 - kept, and reported by the next wait_checkpoint
-            log.exception("checkpoint %s failed", name)
-            self._checkpoint_error = f"checkpoint {name} failed on trainer rank {self.rank}: {type(e).__name__}: {e}"
-        finally:
             if self.rank == 0:
-                shutil.rmtree(local, ignore_errors=True)
+                # Before any rank uploads a byte (they upload only after the barrier that
+                # ends write_snapshot): an earlier attempt's manifest must not cover new bytes.
+                attempt(lambda: ckpts.begin(name))
+            attempt(lambda: write_snapshot(snap, local / RunLayout.TRAINER_STATE), collective=True)
+            if self.rank == 0:
+                attempt(lambda: self._write_rank0_files(local, full_state, run_state, extra_files))
+            files = attempt(lambda: ckpts.upload(name, local)) or {}
+            outcomes = attempt(lambda: all_ranks((failure[0] if failure else None, files), snap.world_size, snap.process_group), collective=True)
+            if outcomes is None:  # the exchange itself failed: the ranks cannot agree on anything
+                self._checkpoint_error = "; ".join(failure)
+                return
+            errors = list(dict.fromkeys(e for e, _ in outcomes if e))
+            if errors:
+                self._checkpoint_error = "; ".join(errors)
+                return
+            if self.rank == 0:
+                attempt(lambda: self._seal(ckpts, name, [f for _, f in outcomes], meta))
+                self._checkpoint_error = failure[0] if failure else None
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+            try:
+                local.parent.rmdir()  # the checkpoint's folder, once no rank of this node has one in it
+            except OSError:
+                pass
+
+    @property
+    def _run_id(self) -> str:
+        return self.run.root.rpartition("/")[2]
+
+    def _write_rank0_files(self, local: Path, full_state: dict, run_state: dict, extra_files: dict[str, bytes]) -> None:
+        self._write_hf(full_state, local / RunLayout.CHECKPOINT_HF)  # committed by the checkpoint's manifest
+        (local / RunLayout.RUN_STATE).write_text(json.dumps(run_state, sort_keys=True))
+        for rel, data in extra_files.items():
+            (local / rel).parent.mkdir(parents=True, exist_ok=True)
+            (local / rel).write_bytes(data)
+
+    def _seal(self, ckpts: CheckpointStore, name: str, uploads: list[dict], meta: dict) -> None:
+        """Rank 0: the manifest over every rank's uploaded files (a name uploaded by two
+        ranks would be a bug: refused), then retention."""
+        files: dict = {}
+        for rank, uploaded in enumerate(uploads):
+            twice = sorted(set(files) & set(uploaded))
+            if twice:
+                raise RuntimeError(f"checkpoint {name}: trainer rank {rank} uploaded files another rank did too: {twice[:3]}")
+            files.update(uploaded)
+        ckpts.seal(name, files, meta)
+        c = self.cfg.checkpoint
+        ckpts.apply_retention(keep_last=c.keep_last, keep_every=c.keep_every)
 
     def _write_hf(self, state: dict, out: Path) -> None:
         """The policy with weights `state` as a Hugging Face folder (safetensors) in `out`,
@@ -434,9 +497,49 @@ class TrainerWorker:
             self._checkpointing = None
         return CheckpointOutcome(error=self._checkpoint_error, seconds=time.perf_counter() - t0)
 
+    def restore_from_store(self, name: str) -> StoreRestore:
+        """Load checkpoint `name`'s trainer state from the run's object store (every rank
+        calls; a collective). Each rank downloads the checkpoint's `trainer/` files (every
+        rank's shards: a load may reshard, and reads them all) into a private folder on
+        its own node, checked against the manifest, loads and removes it: nothing on the
+        disk of the node that wrote the checkpoint, or of the caller, is needed.
+
+        If any rank found a file that does not match the manifest, no rank loads and every
+        rank returns the problems (the caller tries an older checkpoint). Any other
+        failure of a rank fails the call on every rank."""
+        from ratchet.storage import CorruptCheckpoint
+
+        from .checkpointing import StoreRestore, all_ranks
+
+        self.wait_checkpoint()  # its collectives run on the group the restore uses
+        folder = restore_dir(self._run_id)
+        try:
+            problems: list[str] = []
+            failed: BaseException | None = None
+            try:
+                CheckpointStore(self.run).download(name, folder, under=RunLayout.TRAINER_STATE)
+            except CorruptCheckpoint as e:
+                problems = [f"{p} (trainer rank {self.rank})" for p in e.problems]
+            except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised
+                failed = e
+            told = f"{type(failed).__name__}: {failed}" if failed is not None else None
+            outcomes = all_ranks((problems, told), self.world_size)
+            if failed is not None:
+                raise failed
+            others = [f"trainer rank {r}: {t}" for r, (_, t) in enumerate(outcomes) if t]
+            if others:
+                raise RuntimeError(f"restoring checkpoint {name} failed on {'; '.join(others)}")
+            found = [p for ps, _ in outcomes for p in ps]
+            if found:
+                return StoreRestore(name, None, tuple(found))
+            return StoreRestore(name, self.restore(str(folder)))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def restore(self, local_dir: str) -> int:
         """Load a downloaded checkpoint's trainer state (any world size; every rank calls, a
-        collective); the version it holds."""
+        collective); the version it holds. `local_dir` must be on this rank's node and hold
+        every rank's files: `restore_from_store` is the way for ranks on several nodes."""
         from .checkpointing import load_trainer_state
 
         load_trainer_state(self.trainer, Path(local_dir) / RunLayout.TRAINER_STATE)

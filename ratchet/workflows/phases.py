@@ -49,4 +49,6 @@ PHASES = {
     "finish_run": Phase(timedelta(minutes=10)),
     # No heartbeat timeout: it runs after any failure, a bad `heartbeat_timeout_s` included.
     "release_run": Phase(timedelta(minutes=2), heartbeat=False),
+    # `ratchet drain`: the run's actors leave a node that is about to go (after a checkpoint).
+    "evacuate_nodes": Phase(timedelta(minutes=10)),
 }

@@ -269,6 +269,8 @@ def activity_summary(phase: str, arg: Any, step: int) -> str:
         return f"finish: export the final policy v{f('policy_version')}"
     if phase == "release_run":
         return "release the run's actors"
+    if phase == "evacuate_nodes":
+        return f"move off draining node(s) {', '.join(n[:12] for n in f('node_ids', []))}"
     return phase
 
 

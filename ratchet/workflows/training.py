@@ -51,6 +51,8 @@ from ratchet.types import (
     CheckpointInput,
     CheckpointOutput,
     BatchStatus,
+    EvacuateInput,
+    EvacuateOutput,
     EvalInput,
     EvalOutput,
     FinishInput,
@@ -90,6 +92,8 @@ from ratchet.workflows import live
 FUSED_SYNC_STEP = "sync-step-activity"
 # Runs started before the workflow upserted its search attributes replay without them.
 SEARCH_ATTRIBUTES = "search-attributes"
+# A `drain` signal moves the run off a node at the next step boundary (checkpoint first).
+DRAIN_NODES = "drain-nodes"
 
 
 @workflow.defn(name="TrainingWorkflow")
@@ -115,6 +119,7 @@ class TrainingWorkflow:
         self._trained_unrecorded = False  # fully_async: updated, its step not counted yet
         self._recording: asyncio.Future | None = None  # the latest step's metrics line, being written
         self._search_attributes = False  # the namespace has them: upsert (TrainingInput.search_attributes)
+        self._draining: list[str] = []  # Ray node ids about to go (`drain`), not yet moved off
 
     # -- signals and queries -------------------------------------------------------------
 
@@ -130,6 +135,14 @@ class TrainingWorkflow:
     def stop(self) -> None:
         """Finish at the next step boundary: export the policy and complete."""
         self._stopping = True
+
+    @workflow.signal
+    def drain(self, node_id: str) -> None:
+        """Ray node `node_id` is about to go (a spot reclaim, a Kubernetes drain): at the next
+        step boundary the run checkpoints and moves its actors off it, so the planned loss
+        replays nothing. `ratchet drain NODE` sends it to every run with actors there."""
+        if node_id not in self._draining:
+            self._draining.append(node_id)
 
     @workflow.update
     def set_params(self, values: dict[str, Any]) -> live.LiveChange:
@@ -420,9 +433,23 @@ class TrainingWorkflow:
             finally:
                 self._held_at_boundary = False
             self._show(sa.Status.RUNNING)
+        if self._draining and not self._stopping and self._state is not None and workflow.patched(DRAIN_NODES):
+            await self._move_off_draining_nodes(self._state)
         if not self._stopping and self._state is not None:
             self._live.apply(self._state)  # changes set since the last boundary start here
         return not self._stopping
+
+    async def _move_off_draining_nodes(self, state: RunState) -> None:
+        """Checkpoint now (unless the step just ended with one, or nothing was trained yet),
+        then release the actors on the draining nodes: the next step rebuilds them elsewhere
+        from this checkpoint, with no update to replay. Generation is held meanwhile so no
+        batch is cut off half made."""
+        nodes, self._draining = list(self._draining), []
+        await self._records_written()
+        if state.next_step > 0 and not sched.checkpoint_due(self._plan, state.next_step):
+            await self._checkpoint(state)
+        async with self._rollout_lock:
+            await self._call("evacuate_nodes", EvacuateInput(state.run, nodes), EvacuateOutput)
 
     def _continue_as_new_suggested(self, state: RunState, plan: LoopPlan) -> bool:
         suggested = workflow.info().is_continue_as_new_suggested()

@@ -19,7 +19,7 @@ import torch
 from ratchet.platform.client import RECIPE_PATH
 from ratchet.storage import BatchStore, ObjectStore
 from ratchet.workers.batch import RolloutBatch
-from .test_chaos import first_prompts
+from .run_checks import first_prompts
 from ..polling import wait_until
 
 pytestmark = pytest.mark.integration

@@ -26,19 +26,14 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from ratchet.config.schema import RunConfig
-from ratchet.data.order import data_order_seed
 from ratchet.platform.client import RECIPE_PATH, Client
 from ratchet.platform.demo import start_worker_process, stop_worker_process
 from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
-from ratchet.storage import BatchStore, ObjectStore, RunLayout
-from ratchet.workers.batch import RolloutBatch
-from ratchet.workers.rollout_batching import prompt_indices
+
+from . import run_checks
+from .run_checks import assert_same_weights, batch_versions, steps_recorded
 
 pytestmark = pytest.mark.integration
 
@@ -74,16 +69,20 @@ class ChaosPlatform:
         self.worker.wait()
         self.worker = start_worker_process(self.settings)
 
-    def kill_actor(self, cls: str) -> bool:
+    def kill_actor(self, cls: str, wait_s: float = 30.0) -> bool:
         """SIGKILL one `cls` actor process of this module's Ray head (only its own: another
-        test process may run a platform of its own beside this one)."""
+        test process may run a platform of its own beside this one); one being recreated
+        after an earlier fault is waited for. False: none appeared within `wait_s`."""
         from ratchet.platform.services import ray_head
 
-        ours = ray_head.pids(json.loads(self.settings.state_file.read_text())["services"]["ray"])
-        for pid in ours:
-            if _cmdline(pid).startswith(f"ray::{cls}"):
-                os.kill(pid, signal.SIGKILL)
-                return True
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            ours = ray_head.pids(json.loads(self.settings.state_file.read_text())["services"]["ray"])
+            for pid in ours:
+                if run_checks.is_actor_process(_cmdline(pid), cls):
+                    os.kill(pid, signal.SIGKILL)
+                    return True
+            time.sleep(0.1)
         return False
 
     def kill_temporal(self) -> None:
@@ -125,13 +124,6 @@ def chaos(assets):
         p.close()
 
 
-def steps_recorded(run_dir: Path) -> int:
-    try:
-        return len((run_dir / "metrics.jsonl").read_text().splitlines())
-    except FileNotFoundError:
-        return 0
-
-
 def inject(chaos: ChaosPlatform, run_dir: Path, seed: int, done: threading.Event) -> list[str]:
     """At seeded random steps (and a random moment inside the step): the trainer actor, the
     rollout actor, the worker process, the Temporal server, the Ray head."""
@@ -147,31 +139,10 @@ def inject(chaos: ChaosPlatform, run_dir: Path, seed: int, done: threading.Event
         if done.is_set():
             break
         time.sleep(rng.uniform(0.0, 0.4))
-        fault()
+        if fault() is False:
+            continue  # no such actor process appeared: not counted as fired
         fired.append(f"{name}@{step}")
     return fired
-
-
-def trained_prompts(run_dir: Path) -> list[int]:
-    store = ObjectStore(str(run_dir))
-    batches = BatchStore(store)
-    out = []
-    for v in range(STEPS):
-        entry = store.get_json(RunLayout.train_log(v))
-        for part in range(entry["parts"]):
-            name = "rollout" if part == 0 else f"rollout-{part}"
-            out += torch.unique(RolloutBatch.load(batches, entry["batch"], name).prompt_index).tolist()
-    return sorted(out)
-
-
-def first_prompts(run_dir: Path, count: int) -> list[int]:
-    """The dataset rows at the run's first `count` prompt positions (data.shuffle: a seeded order)."""
-    cfg = RunConfig.model_validate(json.loads((run_dir / RunLayout.CONFIG).read_text()))
-    return prompt_indices(0, count, pq.read_metadata(cfg.data.train_files).num_rows, data_order_seed(cfg))
-
-
-def final_weights(summary) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(summary.final_policy_uri) / "model.safetensors"))
 
 
 def run_with_faults(chaos: ChaosPlatform, name: str, extra: list[str], seed: int):
@@ -206,21 +177,7 @@ def _result(chaos: ChaosPlatform, handle, timeout: float = 600.0):
 
 
 def check_exactly_once(summary, run_dir: Path) -> None:
-    assert summary.steps == STEPS and summary.policy_version == STEPS
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(STEPS)), "every step's metrics exist exactly once"
-    assert trained_prompts(run_dir) == sorted(first_prompts(run_dir, STEPS * PROMPTS)), "every prompt trained on exactly once"
-
-
-def assert_same_weights(clean, summary, fired: list[str]) -> None:
-    a, b = final_weights(clean), final_weights(summary)
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), f"weights differ after faults {fired}"
-
-
-def batch_versions(run_dir: Path) -> list[int]:
-    """The policy version that generated each step's batch, from the recorded metrics."""
-    return [int(json.loads(x)["batch_policy_version"]) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_checks.check_exactly_once(summary, run_dir, STEPS, PROMPTS)
 
 
 def test_sync_run_survives_every_fault_with_identical_weights(chaos):

@@ -286,6 +286,63 @@ def test_retried_start_trainers_reuses_the_process_group(platform, ray_driver, t
         release_run_actors("pg-retry")
 
 
+def test_two_activities_that_find_the_trainer_gone_rebuild_it_once(platform, ray_driver, tmp_path, monkeypatch):
+    """fully_async overlaps a sync with the next update: both find a dead trainer at once.
+    Each rebuild starts by killing the ranks it finds, so two rebuilders used to kill each
+    other's half-built ranks until both ran out of retries. With the run's restore lease
+    one rebuilds and the other waits, looks again and uses the rebuilt ranks."""
+    import threading
+
+    from ratchet.config import load_config
+    from ratchet.workers.actors import Role, RunActors, recovery, release_run_actors
+    from ratchet.workers.actors.names import kill_named
+
+    cfg = load_config(RECIPE_PATH, platform.overrides(*TINY))
+    actors = RunActors("lease-run", str(tmp_path / "lease-run"), cfg)
+    rebuilds = []
+    real_restore = recovery.restore_trainers
+
+    def counted_restore(run_actors, version):
+        rebuilds.append(version)
+        return real_restore(run_actors, version)
+
+    monkeypatch.setattr(recovery, "restore_trainers", counted_restore)
+    try:
+        actors.start_trainers(str(platform.assets.model))
+        kill_named([actors.name(Role.TRAINER)])
+        start = threading.Barrier(2)
+        found: list = [None, None]
+
+        def activity(i: int) -> None:
+            start.wait()
+            found[i] = actors.trainers(0, at_least=(i == 1))[0]
+
+        threads = [threading.Thread(target=activity, args=(i,)) for i in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert rebuilds == [0], rebuilds
+        assert found[0] is not None and found[0]._actor_id == found[1]._actor_id
+        assert ray_driver.get(found[0].policy_version.remote()) == 0
+    finally:
+        release_run_actors("lease-run")
+
+
+def test_a_restore_lease_is_exclusive_until_released_or_expired():
+    from ratchet.workers.actors.restore_lease import RestoreLease
+
+    lease = RestoreLease()
+    assert lease.acquire("a", 0.3) and lease.acquire("a", 0.3)  # the holder renews
+    assert not lease.acquire("b", 0.3) and lease.holder() == "a"
+    lease.release("b")  # not theirs to release
+    assert not lease.acquire("b", 0.3)
+    time.sleep(0.35)  # a holder that died stops renewing: the lease expires
+    assert lease.holder() is None and lease.acquire("b", 0.3)
+    lease.release("b")
+    assert lease.acquire("c", 0.3)
+
+
 def _unsharded_sizes(worker) -> int:
     """Values in the trainer's unsharded state dict (an all-gather: every rank calls)."""
     return sum(v.numel() for v in worker.trainer.full_state().values())

@@ -26,7 +26,8 @@ appears on a command line, in services.json or in a log.
 
 The modules, one job each: ``settings`` (ports, paths, addresses), ``processes``
 (process control on psutil), ``ports`` (probes), ``state`` (services.json and its
-lock), ``temporal_server`` and ``ray_head`` (each service's lifecycle), ``ray_auth``
+lock), ``temporal_server``, ``ray_head`` and ``ray_nodes`` (each service's lifecycle; the
+nodes are extra Ray nodes of ``up --nodes N``), ``ray_auth``
 (the head's token), ``report`` (``status``) and ``lifecycle`` (``up``, ``down``,
 ``restart_ray``).
 """
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import logging
 
-from .lifecycle import down, restart_ray, up
+from .lifecycle import down, node_record, restart_ray, start_node, up
 from .ray_auth import RAY_AUTH_VARS, ray_auth_env, ray_token_path
 from .ray_head import RAY_TEMP_DIR_MAX_LEN
 from .report import ServiceState, ServicesStatus, status
@@ -75,11 +76,13 @@ __all__ = [
     "down",
     "free_ports",
     "mlflow_ui_url",
+    "node_record",
     "object_store_root",
     "ray_address",
     "ray_auth_env",
     "ray_token_path",
     "restart_ray",
+    "start_node",
     "status",
     "temporal_address",
     "temporal_ui_url",

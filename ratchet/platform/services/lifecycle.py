@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import mlflow_ui, processes, ray_head, temporal_server
+from . import mlflow_ui, processes, ray_head, ray_nodes, temporal_server
 from .ports import check_port_free
 from .report import ServicesStatus, status
 from .settings import PORT_ENV, RAY_WORKER_PORTS, ServiceError, ServiceSettings, object_store_root
@@ -14,7 +14,7 @@ from .state import load_state, locked, save_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["down", "restart_ray", "up"]
+__all__ = ["down", "node_record", "restart_ray", "start_node", "up"]
 
 
 def _check_recorded_port(
@@ -103,6 +103,7 @@ def up(settings: ServiceSettings | None = None) -> ServicesStatus:
             services["ray"] = ray_head.start(settings)
             started.append("ray")
             save_state(settings, state)
+        _ensure_nodes(settings, state, started)
         mlflow_ui.ensure(settings, state, started)  # in the background; never fails `up`
 
         # Object store: a local folder.
@@ -111,6 +112,46 @@ def up(settings: ServiceSettings | None = None) -> ServicesStatus:
     result = status(settings)
     result.started = started
     return result
+
+
+def _ensure_nodes(settings: ServiceSettings, state: dict[str, Any], started: list[str]) -> None:
+    """Nodes 1..nodes + worker_nodes running: a recorded node that died is started again
+    (it rejoins the head as a new Ray node, with the same name and resource)."""
+    nodes = state["services"].setdefault("nodes", {})
+    for index in range(1, settings.nodes + settings.worker_nodes + 1):
+        rec = nodes.get(str(index))
+        if rec is not None and ray_nodes.pids(rec):
+            continue
+        if rec is not None:
+            logger.info("Ray node %s is gone; starting it again", rec["name"])
+        nodes[str(index)] = ray_nodes.start(settings, index)
+        started.append(ray_nodes.node_name(index))
+        save_state(settings, state)
+
+
+def start_node(settings: ServiceSettings, index: int) -> dict[str, Any]:
+    """(Re)start extra node `index` if it does not run; returns its record."""
+    with locked(settings):
+        state = load_state(settings)
+        nodes = state["services"].setdefault("nodes", {})
+        rec = nodes.get(str(index))
+        if rec is None or not ray_nodes.pids(rec):
+            nodes[str(index)] = rec = ray_nodes.start(settings, index)
+            save_state(settings, state)
+        return rec
+
+
+def node_record(settings: ServiceSettings, index: int) -> dict[str, Any] | None:
+    return load_state(settings)["services"].get("nodes", {}).get(str(index))
+
+
+def _stop_nodes(settings: ServiceSettings, state: dict[str, Any], stopped: list[str]) -> None:
+    nodes = state["services"].get("nodes", {})
+    for key in sorted(nodes, key=int):
+        if ray_nodes.stop(nodes[key], settings.stop_timeout_s):
+            stopped.append(nodes[key]["name"])
+    state["services"].pop("nodes", None)
+    save_state(settings, state)
 
 
 def down(settings: ServiceSettings | None = None) -> list[str]:
@@ -123,6 +164,7 @@ def down(settings: ServiceSettings | None = None) -> list[str]:
     with locked(settings):
         state = load_state(settings)
         services = state["services"]
+        _stop_nodes(settings, state, stopped)  # before the head they belong to
         for name, stop in (("mlflow_ui", mlflow_ui.stop), ("ray", ray_head.stop), ("temporal", temporal_server.stop)):
             rec = services.get(name)
             if rec is None:
@@ -141,6 +183,7 @@ def restart_ray(settings: ServiceSettings | None = None) -> ServicesStatus:
     settings = settings or ServiceSettings.from_env()
     with locked(settings):
         state = load_state(settings)
+        _stop_nodes(settings, state, [])  # they go with the head; `up` starts them again
         rec = state["services"].pop("ray", None)
         if rec is not None:
             ray_head.stop(rec, settings.stop_timeout_s)

@@ -103,7 +103,8 @@ def _command(settings: ServiceSettings, temp: Path) -> list[str]:
         "--node-ip-address", settings.host,
         "--dashboard-host", settings.host,
         "--include-dashboard=false",
-        "--num-cpus", str(os.cpu_count() or 1),
+        # With extra nodes the head only coordinates, as on a cluster: actors go to nodes.
+        "--num-cpus", str(0 if settings.nodes or settings.worker_nodes else (os.cpu_count() or 1)),
         "--disable-usage-stats",
         "--temp-dir", str(temp),
     ]  # fmt: skip

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import mlflow_ui, ray_head, temporal_server
+from . import mlflow_ui, ray_head, ray_nodes, temporal_server
 from .ports import can_connect
 from .settings import (
     ServiceSettings,
@@ -56,6 +56,8 @@ class ServicesStatus:
     # not answer (still starting, could not start, exited).
     mlflow_ui: ServiceState | None = None
     mlflow_ui_url: str | None = None
+    # Extra Ray nodes of `up --nodes N` (each with its own worker); `pid`: its supervisor.
+    nodes: list[ServiceState] = field(default_factory=list)
 
     @property
     def all_running(self) -> bool:
@@ -113,6 +115,10 @@ def status(settings: ServiceSettings | None = None) -> ServicesStatus:
         ray_auth_token_path=rec_r.get("auth_token_path") if rec_r else None,
         mlflow_ui=mlflow,
         mlflow_ui_url=mlflow_url,
+        nodes=[
+            ServiceState(rec["name"], bool(ray_nodes.pids(rec)), r_addr, rec["pid"], ray_nodes.is_ours(rec), f"{rec['cpus']:g} CPUs")
+            for _, rec in sorted(services.get("nodes", {}).items(), key=lambda kv: int(kv[0]))
+        ],
     )
 
 

@@ -72,6 +72,20 @@ def _env_port(name: str, default: int) -> int:
         raise ServiceError(f"{name} must be a TCP port number, got {raw!r}") from None
 
 
+NODES_ENV, NODE_CPUS_ENV, WORKER_NODES_ENV = "RATCHET_NODES", "RATCHET_NODE_CPUS", "RATCHET_WORKER_NODES"
+MAX_NODES = 16
+
+
+def _env_number(name: str, default, kind):
+    raw = (os.environ.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ServiceError(f"{name} must be a number, got {raw!r}") from None
+
+
 MLFLOW_UI_PORT_ENV = "RATCHET_MLFLOW_UI_PORT"
 DEFAULT_MLFLOW_UI_PORT = 5000
 
@@ -104,6 +118,14 @@ class ServiceSettings:
     # The MLflow UI (services/mlflow_ui.py). None: not started, the default for settings
     # built in code (tests); `from_env`, which the CLI uses, asks for 5000.
     mlflow_ui_port: int | None = None
+    # Extra Ray nodes on this machine, each with its own ratchet worker (ray_nodes.py);
+    # with any, the head keeps no CPUs for actors.
+    nodes: int = 0
+    node_cpus: float = 2.0
+    # Whether each of those nodes runs a ratchet worker; and nodes with no CPUs that only
+    # run one (a worker beside a Ray node of its own, as deploy/ runs it).
+    node_workers: bool = True
+    worker_nodes: int = 0
 
     def __post_init__(self) -> None:
         # Absolute, so that the recorded paths do not depend on a later cwd.
@@ -116,6 +138,14 @@ class ServiceSettings:
             raise ServiceError(f"mlflow_ui_port must be a TCP port in 1..65535 or None (no MLflow UI), got {self.mlflow_ui_port!r}")
         if self.mlflow_ui_port in (self.temporal_port, self.temporal_ui_port, self.ray_port):
             raise ServiceError(f"mlflow_ui_port {self.mlflow_ui_port} is already taken by another service; set {MLFLOW_UI_PORT_ENV}=<port>")
+        for name, env in (("nodes", NODES_ENV), ("worker_nodes", WORKER_NODES_ENV)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NODES:
+                raise ServiceError(f"{name} must be a whole number in 0..{MAX_NODES} (extra Ray nodes on this machine), got {value!r}; set {env}=<n>")
+        if self.nodes + self.worker_nodes > MAX_NODES:
+            raise ServiceError(f"nodes + worker_nodes is {self.nodes + self.worker_nodes}; at most {MAX_NODES} extra nodes run on one machine")
+        if not self.node_cpus > 0:
+            raise ServiceError(f"node_cpus must be > 0 (the Ray CPUs each extra node offers), got {self.node_cpus!r}; set {NODE_CPUS_ENV}=<cpus>")
         ports = [self.temporal_port, self.temporal_ui_port, self.ray_port]
         if len(set(ports)) != len(ports):
             raise ServiceError(
@@ -125,14 +155,18 @@ class ServiceSettings:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServiceSettings":
-        """Settings from RATCHET_STATE_DIR, RATCHET_TEMPORAL_PORT,
-        RATCHET_TEMPORAL_UI_PORT and RATCHET_RAY_PORT; keyword overrides win."""
+        """Settings from RATCHET_STATE_DIR, RATCHET_TEMPORAL_PORT, RATCHET_TEMPORAL_UI_PORT,
+        RATCHET_RAY_PORT, RATCHET_NODES, RATCHET_NODE_CPUS and RATCHET_WORKER_NODES; keyword
+        overrides win."""
         values: dict[str, Any] = {
             "state_dir": Path(os.environ.get("RATCHET_STATE_DIR") or DEFAULT_STATE_DIR),
             "temporal_port": _env_port(PORT_ENV["temporal_port"], 7233),
             "temporal_ui_port": _env_port(PORT_ENV["temporal_ui_port"], 8233),
             "ray_port": _env_port(PORT_ENV["ray_port"], 6380),
             "mlflow_ui_port": _mlflow_ui_port(),
+            "nodes": _env_number(NODES_ENV, 0, int),
+            "node_cpus": _env_number(NODE_CPUS_ENV, 2.0, float),
+            "worker_nodes": _env_number(WORKER_NODES_ENV, 0, int),
         }
         values.update(overrides)
         return cls(**values)

@@ -10,6 +10,7 @@ is refused before anything is reserved.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import ray
@@ -21,6 +22,8 @@ from ratchet.errors import ResourcesUnavailable
 from .names import NAMESPACE, Role, actor_name, pool_group_name, role_of, run_actor_names, run_pool_groups, wait_name_free
 from .waiting import Waiter, WaitTimeout
 
+log = logging.getLogger(__name__)
+
 # An actor that no node could place in this long fails its activity instead of waiting
 # forever; a placed actor may then take as long as its constructor needs.
 PLACEMENT_TIMEOUT_S = 60.0
@@ -30,14 +33,17 @@ _POLL_S = 0.5
 
 
 def actor_pid(actor) -> int | None:
-    """The worker process id of an actor; 0 while no node has placed it, None if unknown.
-    (Ray's private actor table: the public state API needs the dashboard.)"""
+    """The worker process id of an actor; 0 while no node has placed it, -1 once it died
+    before it was placed, None if unknown. (Ray's private actor table: the public state
+    API needs the dashboard.)"""
     try:
         from ray._private import state
 
-        return int(state.actors(actor_id=actor._actor_id.hex()).get("Pid", 0) or 0)
+        info = state.actors(actor_id=actor._actor_id.hex())
+        pid = int(info.get("Pid", 0) or 0)
     except Exception:  # noqa: BLE001 - an older or newer Ray: no placement check
         return None
+    return -1 if pid == 0 and info.get("State") == "DEAD" else pid
 
 
 def actor_env(cfg: RunConfig) -> dict:
@@ -121,9 +127,9 @@ def create_actor(
         max_concurrency=concurrency,
         runtime_env=actor_env(cfg),
     )
-    if slot is not None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    if slot is not None:
         where, pool = slot
         group = pool_group(run_id, pool, waiter)
         num_cpus = where.cpus
@@ -133,20 +139,38 @@ def create_actor(
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=where.bundle),
         )
     remote_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
-    actor = remote_cls.options(**options).remote(*args)
-    wait_placed(run_id, actor, name, num_cpus, waiter)
-    return actor
+    deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
+    while True:
+        actor = remote_cls.options(**options).remote(*args)
+        if wait_placed(run_id, actor, name, num_cpus, waiter, max(1.0, deadline - time.monotonic())):
+            return actor
+        # Its node died while Ray was placing it (the bundle it was headed for moved with
+        # the node): Ray gives such an actor up. A new one goes where the bundle is now.
+        if time.monotonic() >= deadline:
+            raise ResourcesUnavailable(
+                f"run {run_id}: actor {name} died before any node ran it, again and again for {PLACEMENT_TIMEOUT_S:g} s "
+                "(nodes dying?); the activity is retried",
+                non_retryable=False,
+            )
+        log.warning("run %s: actor %s died before a node ran it (its node went); creating it again", run_id, name)
+        wait_name_free(name)
+        if slot is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pool_group(run_id, slot[1], waiter), placement_group_bundle_index=slot[0].bundle
+            )
 
 
-def wait_placed(run_id: str, actor, name: str, num_cpus: float, waiter: Waiter, timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
-    """Until a node runs the actor (not until its constructor is done). An actor that
-    cannot be placed is killed (so it never takes CPUs later) and ResourcesUnavailable
-    names who holds the CPUs."""
+def wait_placed(run_id: str, actor, name: str, num_cpus: float, waiter: Waiter, timeout_s: float = PLACEMENT_TIMEOUT_S) -> bool:
+    """Until a node runs the actor (not until its constructor is done): True; False if the
+    actor died before any node ran it. An actor that cannot be placed in `timeout_s` is
+    killed (so it never takes CPUs later) and ResourcesUnavailable names who holds the CPUs."""
     deadline = time.monotonic() + timeout_s
     while True:
         pid = actor_pid(actor)
         if pid is None or pid > 0:
-            return
+            return True
+        if pid < 0:
+            return False
         if time.monotonic() >= deadline:
             break
         waiter.progress(f"waiting for a node to place {name}")

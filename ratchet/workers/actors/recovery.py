@@ -12,14 +12,12 @@ kernels so everywhere).
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 
 from ratchet.errors import WorkerLost
-from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
+from ratchet.storage import CheckpointStore, CorruptCheckpoint, ObjectStore, RunLayout
 
 from .names import Role, kill_named
 
@@ -30,7 +28,10 @@ log = logging.getLogger(__name__)
 
 
 def restore_trainers(actors: RunActors, expected_version: int) -> list:
-    """Fresh trainer ranks holding policy v`expected_version`; returns them."""
+    """Fresh trainer ranks holding policy v`expected_version`; returns them. The ranks
+    fetch the checkpoint from the object store themselves, each onto its own node
+    (`TrainerWorker.restore_from_store`): nothing is downloaded here, and no rank reads a
+    path on this process's host."""
     t0 = time.perf_counter()
     actors.kill_trainers()  # a survivor of a broken process group cannot rejoin it
     actors.start_trainers(actors.initial_policy())
@@ -38,19 +39,22 @@ def restore_trainers(actors: RunActors, expected_version: int) -> list:
     store = ObjectStore(actors.run_uri)
     checkpoints = CheckpointStore(store)
     version, source = 0, "the initial policy"
+
+    def load(info) -> int:
+        # Every rank downloads and verifies its copy; a file that does not match the
+        # manifest on any rank: no rank loaded, and the one before it is tried.
+        outs = actors.wait([a.restore_from_store.remote(info.name) for a in ranks])
+        if outs[0].problems:
+            raise CorruptCheckpoint(info.name, list(outs[0].problems))
+        actors.waiter.progress(f"trainer ranks restored checkpoint {info.name}")
+        return outs[0].version
+
     # Checkpoints are named by step, and every step is one update: step == version.
-    with tempfile.TemporaryDirectory(prefix="ratchet-restore-") as tmp:
-        # A folder per try: a corrupted download's files must not mix with the next one's.
-        # Progress comes per file; `busy` covers one long file.
-        with actors.waiter.busy("downloading a checkpoint to restore the trainer"):
-            found = checkpoints.newest_good(
-                lambda info: checkpoints.download(info.name, Path(tmp) / info.name, progress=actors.waiter.progress),
-                max_step=expected_version,
-            )
-        if found is not None:
-            ckpt = found[0]
-            version = actors.wait([a.restore.remote(str(Path(tmp) / ckpt.name)) for a in ranks])[0]
-            source = f"checkpoint {ckpt.name}"
+    # The waits heartbeat; `busy` also covers reading the manifests.
+    with actors.waiter.busy("the trainer ranks are fetching a checkpoint from the object store to restore it"):
+        found = checkpoints.newest_good(load, max_step=expected_version)
+    if found is not None:
+        version, source = found[1], f"checkpoint {found[0].name}"
     for entry, v in _logged_updates(actors, store, version, expected_version):
         # With the optimizer settings and live values the update used (a resume or a live
         # change may have changed them since); the next update gets the values in force.

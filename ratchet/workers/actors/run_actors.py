@@ -29,6 +29,7 @@ from ..rollout import RolloutWorker
 from ..trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
 from . import placement
 from .names import Role, actor_name, find_named, kill_named, release_run_actors, run_actor_names
+from .restore_lease import restore_lease
 from .waiting import PlainWaiter, Waiter, WaitTimeout
 
 if TYPE_CHECKING:
@@ -104,8 +105,9 @@ class RunActors:
             )  # fmt: skip
             for r in range(world)
         ]
-        port = self.wait(ranks[0].rendezvous_port.remote())
-        counts = self.wait([a.setup.remote(port) for a in ranks])
+        # Rank 0's node address and a port free there: the ranks may be on several nodes.
+        host, port = self.wait(ranks[0].rendezvous_address.remote())
+        counts = self.wait([a.setup.remote(port, host) for a in ranks])
         return counts[0]
 
     def _set_up_count(self, ranks: list) -> int | None:
@@ -132,19 +134,35 @@ class RunActors:
         from .recovery import restore_trainers
 
         ranks = self.trainer_ranks()
-        if all(a is not None for a in ranks):
-            try:
-                held = self.wait(ranks[0].policy_version.remote())
-            except ray.exceptions.RayError:
-                held = None  # died just now, or broken: rebuilt below
-            if held == expected_version or (retrying_update and held == expected_version + 1):
+        if self._trainers_hold(ranks, expected_version, retrying_update, at_least, log_mismatch=True):
+            return ranks
+        with restore_lease(self.run_id, Role.TRAINER, self.waiter):
+            # Another activity may have rebuilt them while this one waited for the lease.
+            ranks = self.trainer_ranks()
+            if self._trainers_hold(ranks, expected_version, retrying_update, at_least):
                 return ranks
-            if at_least and held is not None and held > expected_version:
-                return ranks
-            log.warning("run %s: trainer holds v%s, the workflow expects v%d; restoring", self.run_id, held, expected_version)
-        else:
-            log.warning("run %s: a trainer rank is gone; restoring it", self.run_id)
-        return restore_trainers(self, expected_version)
+            return restore_trainers(self, expected_version)
+
+    def _trainers_hold(self, ranks: list, expected_version: int, retrying_update: bool, at_least: bool, *, log_mismatch: bool = False) -> bool:
+        if any(a is None for a in ranks):
+            if log_mismatch:
+                log.warning("run %s: a trainer rank is gone; restoring it", self.run_id)
+            return False
+        return self._holds(ranks[0], "the trainer", expected_version, retrying_update, at_least, log_mismatch)
+
+    def _holds(self, actor, what: str, expected_version: int, retrying_update: bool, at_least: bool, log_mismatch: bool) -> bool:
+        """`actor` (trainer rank 0 or the critic) answers with the version the caller asked for."""
+        try:
+            held = self.wait(actor.policy_version.remote())
+        except ray.exceptions.RayError:
+            held = None  # died just now, or broken: rebuilt
+        if held == expected_version or (retrying_update and held == expected_version + 1):
+            return True
+        if at_least and held is not None and held > expected_version:
+            return True
+        if log_mismatch:
+            log.warning("run %s: %s holds v%s, the workflow expects v%d; restoring", self.run_id, what, held, expected_version)
+        return False
 
     def kill_trainers(self) -> None:
         """Every trainer rank of the run, whatever world size it was started with."""
@@ -267,17 +285,20 @@ class RunActors:
         from .recovery import restore_critic
 
         actor = self.find(Role.CRITIC)
-        if actor is not None:
-            try:
-                held = self.wait(actor.policy_version.remote())
-            except ray.exceptions.RayError:
-                held = None
-            if held == expected_version or (retrying_update and held == expected_version + 1):
+        if self._critic_holds(actor, expected_version, retrying_update, log_mismatch=True):
+            return actor
+        with restore_lease(self.run_id, Role.CRITIC, self.waiter):
+            actor = self.find(Role.CRITIC)
+            if self._critic_holds(actor, expected_version, retrying_update):
                 return actor
-            log.warning("run %s: the critic holds v%s, the workflow expects v%d; restoring", self.run_id, held, expected_version)
-        else:
-            log.warning("run %s: the critic is gone; restoring it", self.run_id)
-        return restore_critic(self, expected_version)
+            return restore_critic(self, expected_version)
+
+    def _critic_holds(self, actor, expected_version: int, retrying_update: bool, *, log_mismatch: bool = False) -> bool:
+        if actor is None:
+            if log_mismatch:
+                log.warning("run %s: the critic is gone; restoring it", self.run_id)
+            return False
+        return self._holds(actor, "the critic", expected_version, retrying_update, False, log_mismatch)
 
     def reward(self):
         """The reward worker, constructed (its time limit covers scoring only)."""

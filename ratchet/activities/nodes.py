@@ -1,0 +1,27 @@
+"""The activity that moves a run off Ray nodes about to go (`ratchet drain`; the workflow
+calls it at a step boundary, right after a checkpoint)."""
+
+from __future__ import annotations
+
+from temporalio import activity
+
+from ratchet import types as t
+from ratchet.workers.actors.evacuation import evacuate
+
+from .training import _settle_last_checkpoint, actors_for
+from .translate import temporal_errors
+
+
+@activity.defn(name="evacuate_nodes")
+@temporal_errors
+def evacuate_nodes(inp: t.EvacuateInput) -> t.EvacuateOutput:
+    """The checkpoint just taken is committed first (its writers may be on the node), then
+    the run's actors there are released; the next step rebuilds them from that checkpoint."""
+    actors = actors_for(inp.run)
+    ranks = actors.trainer_ranks()
+    if all(a is not None for a in ranks):
+        _settle_last_checkpoint(inp.run.run_id, ranks)
+    return t.EvacuateOutput(released=evacuate(actors, inp.node_ids))
+
+
+NODE_ACTIVITIES = [evacuate_nodes]

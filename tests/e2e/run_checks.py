@@ -1,0 +1,87 @@
+"""What a run that rode out faults must show, read from its run folder in the object store
+(a local folder or S3): every step recorded once, every prompt trained on once, and
+(deterministic mode) final weights equal to an undisturbed run's bit for bit."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import load_file
+
+from ratchet.config.schema import RunConfig
+from ratchet.data.order import data_order_seed
+from ratchet.storage import BatchStore, ObjectStore, RunLayout
+from ratchet.workers.batch import RolloutBatch
+from ratchet.workers.rollout_batching import prompt_indices
+
+
+def _store(run: str | Path) -> ObjectStore:
+    return ObjectStore(str(run))
+
+
+def metric_lines(run: str | Path) -> list[dict]:
+    store = _store(run)
+    if not store.exists(RunLayout.METRICS):
+        return []
+    return [json.loads(x) for x in store.get_bytes(RunLayout.METRICS).decode().splitlines() if x.strip()]
+
+
+def steps_recorded(run: str | Path) -> int:
+    try:
+        return len(metric_lines(run))
+    except (FileNotFoundError, OSError):
+        return 0
+
+
+def trained_prompts(run: str | Path, steps: int) -> list[int]:
+    store = _store(run)
+    batches = BatchStore(store)
+    out = []
+    for v in range(steps):
+        entry = store.get_json(RunLayout.train_log(v))
+        for part in range(entry["parts"]):
+            name = "rollout" if part == 0 else f"rollout-{part}"
+            out += torch.unique(RolloutBatch.load(batches, entry["batch"], name).prompt_index).tolist()
+    return sorted(out)
+
+
+def first_prompts(run: str | Path, count: int) -> list[int]:
+    """The dataset rows at the run's first `count` prompt positions (data.shuffle: a seeded order)."""
+    cfg = RunConfig.model_validate(_store(run).get_json(RunLayout.CONFIG))
+    return prompt_indices(0, count, pq.read_metadata(cfg.data.train_files).num_rows, data_order_seed(cfg))
+
+
+def final_weights(summary) -> dict[str, torch.Tensor]:
+    store = ObjectStore(summary.final_policy_uri)
+    with tempfile.TemporaryDirectory(prefix="ratchet-test-weights-") as tmp:
+        path = Path(tmp) / "model.safetensors"
+        store.get_file("model.safetensors", path)
+        return load_file(str(path))
+
+
+def check_exactly_once(summary, run: str | Path, steps: int, prompts_per_step: int) -> None:
+    assert summary.steps == steps and summary.policy_version == steps
+    assert [m["step"] for m in metric_lines(run)] == list(range(steps)), "every step's metrics exist exactly once"
+    assert trained_prompts(run, steps) == sorted(first_prompts(run, steps * prompts_per_step)), "every prompt trained on exactly once"
+
+
+def assert_same_weights(clean, summary, fired: list[str]) -> None:
+    a, b = final_weights(clean), final_weights(summary)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), f"weights differ after faults {fired}"
+
+
+def batch_versions(run: str | Path) -> list[int]:
+    """The policy version that generated each step's batch, from the recorded metrics."""
+    return [int(m["batch_policy_version"]) for m in metric_lines(run)]
+
+
+def is_actor_process(title: str, actor_class: str) -> bool:
+    """Whether a process title is an `actor_class` actor's: Ray titles it
+    `ray::<Class>.<method>` while it runs a method and `ray::<name>:<Class>` when idle."""
+    head = title.split(" ", 1)[0]
+    return head.startswith(f"ray::{actor_class}") or (head.startswith("ray::") and head.endswith(f":{actor_class}"))

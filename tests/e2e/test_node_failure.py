@@ -1,0 +1,294 @@
+"""A whole node dies and the run goes on: several Ray nodes on this machine (`up --nodes`),
+each killed whole (its raylet, its actor processes and its ratchet worker, one SIGKILL of
+its session) at seeded moments, with S3-protocol storage (a moto server) and no node-local
+hand-over.
+
+Three compute nodes of 2 CPUs: the run's trainer pool spreads 2 ranks (1 CPU each) over 2
+nodes and its rollout pool takes 1 CPU anywhere, so the two left after any loss still hold
+the run. Two worker nodes run a ratchet worker each and no actors (as deploy/ runs
+workers). The faults, in a seeded order: the node holding the rollout engine, the node
+holding one trainer rank, and the node whose worker runs the current activity (the
+trainer's nodes live on: its ranks must be found again, not rebuilt). A killed
+node comes back a few seconds later (as a cluster manager would bring it back), rejoins
+under its name and takes work again.
+
+Every run must finish by itself with every step recorded once and every prompt trained
+once, and, in deterministic mode, with final weights equal bit for bit to an undisturbed
+run's: in sync and in fully_async mode. The recovery time of each fault (from the kill to
+the next recorded step) is printed and written to `<state>/recovery.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ratchet.platform.client import RECIPE_PATH, Client
+from ratchet.platform.services import ServiceSettings, down, free_ports, node_record, ray_nodes, start_node, temporal_address, up
+from ratchet.platform.services import processes
+
+from ..s3_server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
+from . import run_checks
+from .run_checks import assert_same_weights, steps_recorded
+
+pytestmark = pytest.mark.integration
+
+# Compute nodes (2 CPUs, no worker) and worker nodes (no CPUs, a ratchet worker each: the
+# layout of deploy/, where workers run beside Ray nodes of their own).
+COMPUTE_NODES, WORKER_NODES, STEPS, PROMPTS, N = 3, 2, 12, 4, 4
+NODES = COMPUTE_NODES + WORKER_NODES
+# The steps the faults wait for (each fires a seeded moment after its step is recorded).
+FAULT_STEPS = (2, 4, 6)
+POOLS = (
+    "resources.pools=[{name: train, nodes: 2, cpus_per_node: 1, roles: [trainer, reference]},"
+    " {name: gen, nodes: 1, cpus_per_node: 1, roles: [rollout, reward]}]"
+)
+# The GCS notices a dead node after period x threshold (Ray's default is about 13 s).
+FAST_NODE_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "4"}
+AWS_ENV = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION}
+
+
+class Cluster:
+    """Temporal, a Ray head without CPUs, `NODES` nodes with a worker each, and an S3 server."""
+
+    def __init__(self, assets):
+        self.assets = assets
+        self.s3 = MotoServer()
+        self.s3.start()
+        env = {**FAST_NODE_DEATH, **AWS_ENV, "AWS_ENDPOINT_URL": self.s3.endpoint, "RATCHET_STICKY_TIMEOUT_S": "1"}
+        self.saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the head, the nodes and their workers inherit it
+        from minio import Minio
+
+        Minio(f"127.0.0.1:{self.s3.port}", access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False, region=REGION).make_bucket("runs")
+        self.state = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-nodes-"))
+        t, ui, r = free_ports(3)
+        self.settings = ServiceSettings(
+            state_dir=self.state, temporal_port=t, temporal_ui_port=ui, ray_port=r, start_timeout_s=60.0, nodes=COMPUTE_NODES, node_cpus=2.0,
+            node_workers=False, worker_nodes=WORKER_NODES,
+        )
+        up(self.settings)
+        self.client = Client.connect(temporal_address(self.settings))
+        self.restarting: dict[int, threading.Thread] = {}  # node index -> its restart
+        self.clean: dict[str, object] = {}  # mode -> the undisturbed run's summary
+
+    def overrides(self, *extra: str) -> list[str]:
+        train, _ = self.assets.data["copy"]
+        return [
+            f"model.path={self.assets.model}", f"data.train_files={train}", "data.eval_files=null", "storage.root=s3://runs/nodes",
+            "warmup.steps=2", f"loop.prompts_per_step={PROMPTS}", f"rollout.n={N}", f"loop.steps={STEPS}", "checkpoint.every=3",
+            "deterministic=true", "loop.heartbeat_timeout_s=5", "trainer.world_size=2", POOLS, *extra,
+        ]  # fmt: skip
+
+    def run_uri(self, run_id: str) -> str:
+        return f"s3://runs/nodes/{run_id}"
+
+    # -- which node holds what -----------------------------------------------------------
+
+    def record(self, index: int) -> dict:
+        rec = node_record(self.settings, index)
+        assert rec is not None
+        return rec
+
+    def nodes_running(self, actor_class: str) -> list[int]:
+        """The nodes with an `actor_class` actor process (one entry per actor)."""
+        found = []
+        for index in range(1, NODES + 1):
+            for pid in ray_nodes.pids(self.record(index)):
+                if run_checks.is_actor_process(" ".join(processes.cmdline(pid)), actor_class):
+                    found.append(index)
+        return found
+
+    def nodes_running_activities(self, probe: Client, run_id: str) -> list[int]:
+        """The nodes whose workers run one of the run's activities now. `probe`: a client of
+        the calling thread's own (a client's event loop is not shared)."""
+        desc = probe._run(probe.get(run_id)._handle().describe())
+        found = []
+        for pending in desc.raw_description.pending_activities:
+            match = re.match(r"node-(\d+)/", pending.last_worker_identity or "")
+            if match and pending.state == 2:  # PENDING_ACTIVITY_STATE_STARTED
+                found.append(int(match.group(1)))
+        return found
+
+    # -- the fault -----------------------------------------------------------------------
+
+    def kill_node(self, index: int) -> None:
+        """Kill node `index` whole; it comes back (a new Ray node, same name) as soon as it
+        can. Another node may still be coming back: the run then waits for it."""
+        if index in self.restarting:
+            self.restarting.pop(index).join(120)
+        ray_nodes.kill(self.record(index))
+        self.restarting[index] = threading.Thread(target=start_node, args=(self.settings, index), daemon=True)
+        self.restarting[index].start()
+
+    def nodes_back(self) -> None:
+        for thread in self.restarting.values():
+            thread.join(120)
+        self.restarting.clear()
+
+    def replace_node(self, index: int) -> None:
+        """Node `index` goes and a new one takes its place (a drained node is never undrained)."""
+        self.kill_node(index)
+        self.nodes_back()
+
+    def rebuilds(self, run_id: str) -> int:
+        """How often the run's trainer was rebuilt (every node's worker logs it)."""
+        text = "".join(p.read_text(errors="replace") for p in self.settings.logs_dir.glob("node-*.log"))
+        return len(re.findall(rf"run {run_id}: trainer rebuilt at", text))
+
+    def close(self) -> None:
+        self.nodes_back()
+        self.client.close()
+        down(self.settings)
+        self.s3.stop()
+        for k, v in self.saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        if not os.environ.get("RATCHET_KEEP_TEST_STATE"):
+            shutil.rmtree(self.state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(assets):
+    c = Cluster(assets)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _result(cluster: Cluster, run_id: str, timeout: float = 600.0):
+    return cluster.client.get(run_id).result(timeout=timeout)
+
+
+def inject(cluster: Cluster, run_id: str, seed: int, done: threading.Event, fired: list[dict]) -> None:
+    """At seeded steps: the rollout node, a trainer rank's node, the current activity's
+    worker node (one without a trainer rank)."""
+    rng = random.Random(seed)
+    run = cluster.run_uri(run_id)
+    probe = Client.connect(temporal_address(cluster.settings))
+    kinds = ["rollout", "trainer", "worker"]
+    rng.shuffle(kinds)
+    try:
+        for step, kind in zip(FAULT_STEPS, kinds):
+            while steps_recorded(run) < step and not done.is_set():
+                time.sleep(0.1)
+            if done.is_set():
+                return
+            time.sleep(rng.uniform(0.0, 0.4))
+            if kind in ("rollout", "trainer"):
+                # (An actor being recreated after the last fault has no process for a moment.)
+                actor = "RolloutWorker" if kind == "rollout" else "TrainerWorker"
+                while not (holding := cluster.nodes_running(actor)) and not done.is_set():
+                    time.sleep(0.1)
+                if not holding:
+                    return
+                index = rng.choice(holding)
+            else:
+                index = _node_of_an_activity(cluster, probe, run_id, done)
+                if index is None:
+                    return
+            before = steps_recorded(run)
+            t0 = time.monotonic()
+            holds_trainer = index in cluster.nodes_running("TrainerWorker")
+            cluster.kill_node(index)
+            while steps_recorded(run) <= before and not done.is_set():
+                time.sleep(0.1)
+            fired.append({"fault": kind, "step": before, "node": index, "holds_trainer": holds_trainer,
+                          "to_next_step_s": round(time.monotonic() - t0, 1)})  # fmt: skip
+    finally:
+        probe.close()
+
+
+def _node_of_an_activity(cluster: Cluster, probe: Client, run_id: str, done: threading.Event) -> int | None:
+    """The node of the worker running the run's current activity (Temporal dispatches a
+    run's activities to the worker that holds the workflow, eagerly)."""
+    while not done.is_set():
+        running = cluster.nodes_running_activities(probe, run_id)
+        if running:
+            return running[0]
+        time.sleep(0.1)
+    return None
+
+
+def run_with_node_faults(cluster: Cluster, name: str, extra: list[str], seed: int):
+    handle = cluster.client.submit(RECIPE_PATH, cluster.overrides(*extra, f"tracking.name={name}"))
+    done = threading.Event()
+    fired: list[dict] = []
+    injector = threading.Thread(target=inject, args=(cluster, handle.run_id, seed, done, fired), daemon=True)
+    injector.start()
+    try:
+        summary = _result(cluster, handle.run_id)
+    finally:
+        done.set()
+        injector.join(120)
+    print(f"\n{name}: " + json.dumps(fired))
+    with open(cluster.state / "recovery.json", "a") as f:
+        f.write(json.dumps({"run": name, "faults": fired}) + "\n")
+    return summary, handle.run_id, fired
+
+
+def check_node_run(cluster: Cluster, clean, summary, run_id: str, fired: list[dict]) -> None:
+    assert sorted(f["fault"] for f in fired) == ["rollout", "trainer", "worker"], fired
+    run_checks.check_exactly_once(summary, cluster.run_uri(run_id), STEPS, PROMPTS)
+    assert_same_weights(clean, summary, [f"{f['fault']}@{f['step']}" for f in fired])
+    # Rebuilt for each lost node that held a trainer rank only: the worker's node (and a
+    # rollout node without a rank) leaves the ranks alive, and the next attempt finds them.
+    assert cluster.rebuilds(run_id) == sum(f["holds_trainer"] for f in fired), fired
+    assert not next(f for f in fired if f["fault"] == "worker")["holds_trainer"], fired
+    # Every node comes back and rejoins.
+    cluster.nodes_back()
+    assert all(ray_nodes.pids(cluster.record(i)) for i in range(1, NODES + 1))
+
+
+def test_sync_run_survives_the_loss_of_each_kind_of_node(cluster):
+    clean = cluster.clean["sync"] = _result(cluster, cluster.client.submit(RECIPE_PATH, cluster.overrides("tracking.name=clean-sync")).run_id)
+    summary, run_id, fired = run_with_node_faults(cluster, "nodes-sync", [], seed=11)
+    check_node_run(cluster, clean, summary, run_id, fired)
+
+
+def test_fully_async_run_survives_the_loss_of_each_kind_of_node(cluster):
+    extra = ["loop.mode=fully_async", "loop.max_staleness=2", "loop.queue_limit=3", "algorithm.off_policy.mode=tis"]
+    clean = _result(cluster, cluster.client.submit(RECIPE_PATH, cluster.overrides(*extra, "tracking.name=clean-async")).run_id)
+    summary, run_id, fired = run_with_node_faults(cluster, "nodes-async", extra, seed=12)
+    check_node_run(cluster, clean, summary, run_id, fired)
+
+
+def test_a_drained_node_costs_no_replay(cluster):
+    """`ratchet drain` on the node of a trainer rank mid-run: the run checkpoints at its
+    next step boundary, its trainer pool is reserved again on other nodes, and the ranks are
+    rebuilt from that checkpoint with 0 updates replayed; the run ends as an undisturbed one."""
+    from ratchet.platform.services import ray_address, ray_auth_env
+
+    clean = cluster.clean.get("sync") or _result(cluster, cluster.client.submit(RECIPE_PATH, cluster.overrides("tracking.name=clean-drain")).run_id)
+    handle = cluster.client.submit(RECIPE_PATH, cluster.overrides("tracking.name=drained"))
+    run = cluster.run_uri(handle.run_id)
+    while steps_recorded(run) < 4:
+        time.sleep(0.1)
+    index = cluster.nodes_running("TrainerWorker")[0]
+    env = {**os.environ, "RATCHET_RAY_ADDRESS": ray_address(cluster.settings),
+           "RATCHET_TEMPORAL_ADDRESS": temporal_address(cluster.settings), **ray_auth_env(cluster.settings)}  # fmt: skip
+    # The CLI as a user runs it: a process of its own (it leaves through os._exit).
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "ratchet"), "drain", f"node-{index}", "--wait-s", "120"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"told: {handle.run_id}" in out.stdout and "every run moved off it" in out.stdout, out.stdout
+    summary = _result(cluster, handle.run_id)
+    run_checks.check_exactly_once(summary, run, STEPS, PROMPTS)
+    assert_same_weights(clean, summary, [f"drain node-{index}"])
+    logs = "".join(p.read_text(errors="replace") for p in cluster.settings.logs_dir.glob("node-*.log"))
+    assert re.search(rf"run {handle.run_id}: trainer rebuilt at v(\d+) from checkpoint step-0*\1 and 0 replayed updates", logs), logs[-3000:]
+    assert index not in cluster.nodes_running("TrainerWorker")
+    cluster.replace_node(index)  # the drained node goes, as the reclaim would take it
