@@ -48,6 +48,8 @@ class WorkerSettings:
     # How Temporal names this worker (a pending activity's `last_worker_identity`); None:
     # the SDK's `pid@host`. A node of `ratchet up --nodes` sets `node-<i>/<pid>`.
     identity: str | None = None
+    # How often the actors of closed runs are swept (besides at start-up); 0: only then.
+    sweep_every_seconds: float = 300.0
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
@@ -60,6 +62,7 @@ class WorkerSettings:
             sticky_schedule_to_start_seconds=float(env.get("RATCHET_STICKY_TIMEOUT_S", "10")),
             ray_auth_env=ray_auth_env(ServiceSettings.from_env()),
             identity=env.get("RATCHET_WORKER_IDENTITY") or None,
+            sweep_every_seconds=float(env.get("RATCHET_SWEEP_EVERY_S", "300")),
         )
 
 
@@ -167,8 +170,22 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
             "worker on %s (queue %s), Ray at %s, pid %d", settings.temporal_address, settings.task_queue, settings.ray_address, os.getpid()
         )
         async with worker:
+            sweeping = asyncio.ensure_future(_sweep_every(client, settings.sweep_every_seconds, stop))
             await stop.wait()
             log.info("shutting down")
+            sweeping.cancel()
+
+
+async def _sweep_every(client, seconds: float, stop: asyncio.Event) -> None:
+    """Sweep again now and then, not only at start-up: a run terminated from outside can
+    leave an activity that rebuilds actors after the run closed (until its heartbeat
+    tells it), and those would hold their CPUs until some worker restarts."""
+    while seconds > 0:
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=seconds)
+            return
+        except asyncio.TimeoutError:
+            await _sweep_leftover_actors(client)
 
 
 def run_worker(settings: WorkerSettings) -> None:

@@ -16,32 +16,22 @@ early), with the benchmark's activities that only sleep. No wall-clock assertion
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from ratchet.workflows import search_attributes as sa
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
+from ..benchmark_scripts import load_benchmark
+
 SUGGEST_EVENTS = 60  # the dev server suggests continue-as-new from this history length
 CHAIN_STEPS = 12
 PHASES = ("generate", "score", "train", "sync_weights")
 SETUP = {"prepare_run": 1, "warmup": 1, "start_workers": 1, "finish_run": 1}
 
 
-def load_scale():
-    spec = importlib.util.spec_from_file_location("scale_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scale_benchmark"] = module  # its dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-scale = load_scale()
+scale = load_benchmark("scale", "scale_benchmark")
 
 
 def test_run_state_after_100000_steps_is_small_and_does_not_grow_with_scale():

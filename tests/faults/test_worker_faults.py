@@ -353,7 +353,8 @@ def test_worker_start_sweeps_the_actors_of_closed_runs(platform, ray_driver):
     from ratchet.workers.actors import NAMESPACE, run_actor_names
 
     client = platform.client
-    handle = client.submit(RECIPE_PATH, platform.overrides(*TINY, "loop.steps=200", "tracking.name=sweep"))
+    # A short heartbeat timeout: the activity of the terminated run learns of it soon.
+    handle = client.submit(RECIPE_PATH, platform.overrides(*TINY, "loop.steps=200", "loop.heartbeat_timeout_s=5", "tracking.name=sweep"))
     roles = lambda: {n.split("/")[1] for n in run_actor_names().get(handle.run_id, [])}  # noqa: E731
     wait_until(lambda: {"trainer-0", "rollout-0", "reward-0"} <= roles(), timeout=300)
 
@@ -374,9 +375,22 @@ def test_worker_start_sweeps_the_actors_of_closed_runs(platform, ray_driver):
         assert sorted(n.split("/")[1] for n in released[handle.run_id]) == ["reward-0", "rollout-0", "trainer-0"]
         assert handle.run_id not in run_actor_names()
     finally:
-        from ratchet.workers.actors import release_run_actors
+        _release_until_quiet(handle.run_id)
 
-        release_run_actors(handle.run_id)
+
+def _release_until_quiet(run_id: str, quiet_s: float = 8.0, timeout_s: float = 90.0) -> None:
+    """Release the run's actors until none comes back for `quiet_s`: the activity that was
+    running when its run was terminated goes on (rebuilding what was released) until its
+    heartbeat tells it the run is gone. Later tests in this process need the CPUs."""
+    from ratchet.workers.actors import release_run_actors, run_actor_names
+
+    deadline = time.monotonic() + timeout_s
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < quiet_s:
+        if run_id in run_actor_names():
+            release_run_actors(run_id)
+            quiet_since = time.monotonic()
+        time.sleep(0.5)
 
 
 def test_nan_reward_fails_the_run_in_its_first_step(platform, ray_driver, tmp_path):

@@ -6,7 +6,6 @@ config snapshot matches the schema; without a GPU and without --cpu-smoke it say
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,16 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from ..benchmark_scripts import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_check")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -1,5 +1,6 @@
-"""Settings of the extra nodes (`ratchet up --nodes`) and naming a node to drain: refused
-with the field and the fix before anything starts."""
+"""Settings of the extra nodes (`ratchet up --nodes`) and naming a node to drain (refused
+with the field and the fix before anything starts), and the worker's periodic sweep of the
+actors of closed runs."""
 
 from __future__ import annotations
 
@@ -57,3 +58,31 @@ def test_node_settings_come_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("RATCHET_NODES", "three")
     with pytest.raises(ServiceError, match="RATCHET_NODES must be a number, got 'three'"):
         ServiceSettings.from_env(state_dir=tmp_path)
+
+
+def test_the_worker_sweeps_closed_runs_now_and_then_until_it_stops(monkeypatch):
+    """Actors a terminated run's last activity rebuilt after the run closed are swept
+    within `sweep_every_seconds`, not only when a worker starts."""
+    import asyncio
+
+    from ratchet.platform import worker
+
+    calls = []
+
+    async def sweep(client):
+        calls.append(client)
+
+    monkeypatch.setattr(worker, "_sweep_leftover_actors", sweep)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(worker._sweep_every("client", 0.05, stop))
+        await asyncio.sleep(0.4)
+        stop.set()
+        await asyncio.wait_for(task, 1.0)  # returns once stopped
+        swept = len(calls)
+        await asyncio.sleep(0.2)
+        assert len(calls) == swept  # nothing after the stop
+
+    asyncio.run(main())
+    assert len(calls) >= 3 and set(calls) == {"client"}
