@@ -3,6 +3,7 @@ a `ratchet worker` process) started the way `ratchet demo` starts it."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -21,7 +22,12 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Activities run in the test process default their registry and MLflow store to the state
 # folder: a private one per session, never the checkout's ./.ratchet.
-os.environ.setdefault("RATCHET_STATE_DIR", tempfile.mkdtemp(prefix="rt-state-"))
+if "RATCHET_STATE_DIR" not in os.environ:
+    os.environ["RATCHET_STATE_DIR"] = tempfile.mkdtemp(prefix="rt-state-")
+    atexit.register(shutil.rmtree, os.environ["RATCHET_STATE_DIR"], ignore_errors=True)
+# The tests' workers sweep closed runs' actors at start-up only: many tests create actors
+# with no workflow behind them, which a periodic sweep would take for leftovers.
+os.environ.setdefault("RATCHET_SWEEP_EVERY_S", "0")
 
 # Fixtures that start real services with Ray (the platform, the chaos and S3 platforms,
 # `ratchet up` itself): every test that uses one is an integration test, so that

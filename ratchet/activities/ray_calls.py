@@ -55,22 +55,27 @@ def heartbeating(details: Any = None, every_s: float = POLL_SECONDS) -> Iterator
 
 def wait(refs: Any, *, details: Any = None, timeout_s: float | None = None) -> Any:
     """`ray.get` that heartbeats; accepts one ObjectRef or a list. With `timeout_s`, raises
-    WaitTimeout when the work is not done by then (the work itself is left to the caller)."""
+    WaitTimeout when the work is not done by then (the work itself is left to the caller).
+    A failed ref fails the wait at once, while the others still run: trainer ranks wait on
+    each other in collectives, and the survivors of a rank that died would block until the
+    process group's own timeout (30 minutes)."""
     single = not isinstance(refs, list)
     pending = [refs] if single else list(refs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while pending:
-        poll = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=poll)
-        if activity.in_activity():
-            if activity.is_cancelled():
-                for ref in pending:
-                    ray.cancel(ref, force=False)
-                raise CancelledError("activity cancelled; its Ray work was cancelled too")
-            activity.heartbeat(details)
-        if pending and deadline is not None and time.monotonic() >= deadline:
-            raise WaitTimeout(f"Ray work not done after {timeout_s:g} s")
     try:
+        while pending:
+            poll = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll)
+            if ready and pending:
+                ray.get(ready)  # raises if one of them failed
+            if activity.in_activity():
+                if activity.is_cancelled():
+                    for ref in pending:
+                        ray.cancel(ref, force=False)
+                    raise CancelledError("activity cancelled; its Ray work was cancelled too")
+                activity.heartbeat(details)
+            if pending and deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(f"Ray work not done after {timeout_s:g} s")
         values = ray.get([refs] if single else list(refs))
     except ray.exceptions.RayError as err:
         classified = from_ray_error(err)

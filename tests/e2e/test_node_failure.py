@@ -8,7 +8,8 @@ nodes and its rollout pool takes 1 CPU anywhere, so the two left after any loss 
 the run. Two worker nodes run a ratchet worker each and no actors (as deploy/ runs
 workers). The faults, in a seeded order: the node holding the rollout engine, the node
 holding one trainer rank, and the node whose worker runs the current activity (the
-trainer's nodes live on: its ranks must be found again, not rebuilt). A killed
+trainer's nodes live on: its ranks must be found again, not rebuilt); the sync run first
+has a planned loss, `ratchet drain` of a trainer rank's node, which must replay nothing. A killed
 node comes back a few seconds later (as a cluster manager would bring it back), rejoins
 under its name and takes work again.
 
@@ -48,8 +49,9 @@ pytestmark = pytest.mark.integration
 # layout of deploy/, where workers run beside Ray nodes of their own).
 COMPUTE_NODES, WORKER_NODES, STEPS, PROMPTS, N = 3, 2, 12, 4, 4
 NODES = COMPUTE_NODES + WORKER_NODES
-# The steps the faults wait for (each fires a seeded moment after its step is recorded).
-FAULT_STEPS = (2, 4, 6)
+# The steps the faults wait for (each fires a seeded moment after its step is recorded);
+# the sync run is drained first, at DRAIN_STEP, and loses its nodes after.
+FAULT_STEPS, DRAIN_STEP = (2, 4, 6), 2
 POOLS = (
     "resources.pools=[{name: train, nodes: 2, cpus_per_node: 1, roles: [trainer, reference]},"
     " {name: gen, nodes: 1, cpus_per_node: 1, roles: [rollout, reward]}]"
@@ -81,7 +83,7 @@ class Cluster:
         up(self.settings)
         self.client = Client.connect(temporal_address(self.settings))
         self.restarting: dict[int, threading.Thread] = {}  # node index -> its restart
-        self.clean: dict[str, object] = {}  # mode -> the undisturbed run's summary
+        self.drained: list[int] = []  # drained nodes, replaced once the run ends
 
     def overrides(self, *extra: str) -> list[str]:
         train, _ = self.assets.data["copy"]
@@ -171,16 +173,20 @@ def _result(cluster: Cluster, run_id: str, timeout: float = 600.0):
     return cluster.client.get(run_id).result(timeout=timeout)
 
 
-def inject(cluster: Cluster, run_id: str, seed: int, done: threading.Event, fired: list[dict]) -> None:
-    """At seeded steps: the rollout node, a trainer rank's node, the current activity's
-    worker node (one without a trainer rank)."""
+def inject(cluster: Cluster, run_id: str, seed: int, done: threading.Event, fired: list[dict], drain: bool) -> None:
+    """With `drain`, first `ratchet drain` of a trainer rank's node (a planned loss); then at
+    seeded steps: the rollout node, a trainer rank's node, the current activity's worker node."""
     rng = random.Random(seed)
     run = cluster.run_uri(run_id)
     probe = Client.connect(temporal_address(cluster.settings))
     kinds = ["rollout", "trainer", "worker"]
     rng.shuffle(kinds)
     try:
-        for step, kind in zip(FAULT_STEPS, kinds):
+        if drain:
+            while steps_recorded(run) < DRAIN_STEP and not done.is_set():
+                time.sleep(0.1)
+            fired.append(drain_trainer_node(cluster, run_id))
+        for step, kind in zip((s + DRAIN_STEP if drain else s for s in FAULT_STEPS), kinds):
             while steps_recorded(run) < step and not done.is_set():
                 time.sleep(0.1)
             if done.is_set():
@@ -210,6 +216,25 @@ def inject(cluster: Cluster, run_id: str, seed: int, done: threading.Event, fire
         probe.close()
 
 
+def drain_trainer_node(cluster: Cluster, run_id: str) -> dict:
+    """`ratchet drain` (the CLI, in a process of its own: it leaves through os._exit) of a
+    node holding a trainer rank."""
+    from ratchet.platform.services import ray_address, ray_auth_env
+
+    while not (holding := cluster.nodes_running("TrainerWorker")):
+        time.sleep(0.1)  # a rank still being rebuilt after the last fault
+    index, before, t0 = holding[0], steps_recorded(cluster.run_uri(run_id)), time.monotonic()
+    env = {**os.environ, "RATCHET_RAY_ADDRESS": ray_address(cluster.settings),
+           "RATCHET_TEMPORAL_ADDRESS": temporal_address(cluster.settings), **ray_auth_env(cluster.settings)}  # fmt: skip
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "ratchet"), "drain", f"node-{index}", "--wait-s", "120"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    cluster.drained.append(index)  # Ray shuts a drained node down once idle; replaced after the run
+    return {"fault": "drain", "step": before, "node": index, "holds_trainer": True, "exit_code": out.returncode,
+            "output": out.stdout + out.stderr, "moved_off_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
 def _node_of_an_activity(cluster: Cluster, probe: Client, run_id: str, done: threading.Event) -> int | None:
     """The node of the worker running the run's current activity (Temporal dispatches a
     run's activities to the worker that holds the workflow, eagerly)."""
@@ -221,25 +246,25 @@ def _node_of_an_activity(cluster: Cluster, probe: Client, run_id: str, done: thr
     return None
 
 
-def run_with_node_faults(cluster: Cluster, name: str, extra: list[str], seed: int):
+def run_with_node_faults(cluster: Cluster, name: str, extra: list[str], seed: int, *, drain: bool = False):
     handle = cluster.client.submit(RECIPE_PATH, cluster.overrides(*extra, f"tracking.name={name}"))
     done = threading.Event()
     fired: list[dict] = []
-    injector = threading.Thread(target=inject, args=(cluster, handle.run_id, seed, done, fired), daemon=True)
+    injector = threading.Thread(target=inject, args=(cluster, handle.run_id, seed, done, fired, drain), daemon=True)
     injector.start()
     try:
         summary = _result(cluster, handle.run_id)
     finally:
         done.set()
         injector.join(120)
-    print(f"\n{name}: " + json.dumps(fired))
+    print(f"\n{name}: " + json.dumps([{k: v for k, v in f.items() if k != "output"} for f in fired]))
     with open(cluster.state / "recovery.json", "a") as f:
         f.write(json.dumps({"run": name, "faults": fired}) + "\n")
     return summary, handle.run_id, fired
 
 
-def check_node_run(cluster: Cluster, clean, summary, run_id: str, fired: list[dict]) -> None:
-    assert sorted(f["fault"] for f in fired) == ["rollout", "trainer", "worker"], fired
+def check_node_run(cluster: Cluster, clean, summary, run_id: str, fired: list[dict], *, drained: bool = False) -> None:
+    assert sorted(f["fault"] for f in fired) == sorted(["rollout", "trainer", "worker", *(["drain"] if drained else [])]), fired
     run_checks.check_exactly_once(summary, cluster.run_uri(run_id), STEPS, PROMPTS)
     assert_same_weights(clean, summary, [f"{f['fault']}@{f['step']}" for f in fired])
     # Rebuilt for each lost node that held a trainer rank only: the worker's node (and a
@@ -251,10 +276,20 @@ def check_node_run(cluster: Cluster, clean, summary, run_id: str, fired: list[di
     assert all(ray_nodes.pids(cluster.record(i)) for i in range(1, NODES + 1))
 
 
-def test_sync_run_survives_the_loss_of_each_kind_of_node(cluster):
-    clean = cluster.clean["sync"] = _result(cluster, cluster.client.submit(RECIPE_PATH, cluster.overrides("tracking.name=clean-sync")).run_id)
-    summary, run_id, fired = run_with_node_faults(cluster, "nodes-sync", [], seed=11)
-    check_node_run(cluster, clean, summary, run_id, fired)
+def test_sync_run_survives_the_loss_of_each_kind_of_node_and_a_drain(cluster):
+    """`ratchet drain` of a trainer rank's node, then the three losses. The drain: the run checkpoints
+    at its next step boundary, its trainer pool is reserved again on the other nodes, and
+    the ranks are rebuilt from that checkpoint with 0 updates replayed."""
+    clean = _result(cluster, cluster.client.submit(RECIPE_PATH, cluster.overrides("tracking.name=clean-sync")).run_id)
+    summary, run_id, fired = run_with_node_faults(cluster, "nodes-sync", [], seed=11, drain=True)
+    drained = fired[0]
+    assert drained["exit_code"] == 0, drained["output"]
+    assert f"told: {run_id}" in drained["output"] and "every run moved off it" in drained["output"], drained["output"]
+    while cluster.drained:  # a drained node is never undrained: it goes and a new one comes
+        cluster.replace_node(cluster.drained.pop())
+    check_node_run(cluster, clean, summary, run_id, fired, drained=True)
+    logs = "".join(p.read_text(errors="replace") for p in cluster.settings.logs_dir.glob("node-*.log"))
+    assert re.search(rf"run {run_id}: trainer rebuilt at v(\d+) from checkpoint step-0*\1 and 0 replayed updates", logs), logs[-3000:]
 
 
 def test_fully_async_run_survives_the_loss_of_each_kind_of_node(cluster):
@@ -262,33 +297,3 @@ def test_fully_async_run_survives_the_loss_of_each_kind_of_node(cluster):
     clean = _result(cluster, cluster.client.submit(RECIPE_PATH, cluster.overrides(*extra, "tracking.name=clean-async")).run_id)
     summary, run_id, fired = run_with_node_faults(cluster, "nodes-async", extra, seed=12)
     check_node_run(cluster, clean, summary, run_id, fired)
-
-
-def test_a_drained_node_costs_no_replay(cluster):
-    """`ratchet drain` on the node of a trainer rank mid-run: the run checkpoints at its
-    next step boundary, its trainer pool is reserved again on other nodes, and the ranks are
-    rebuilt from that checkpoint with 0 updates replayed; the run ends as an undisturbed one."""
-    from ratchet.platform.services import ray_address, ray_auth_env
-
-    clean = cluster.clean.get("sync") or _result(cluster, cluster.client.submit(RECIPE_PATH, cluster.overrides("tracking.name=clean-drain")).run_id)
-    handle = cluster.client.submit(RECIPE_PATH, cluster.overrides("tracking.name=drained"))
-    run = cluster.run_uri(handle.run_id)
-    while steps_recorded(run) < 4:
-        time.sleep(0.1)
-    index = cluster.nodes_running("TrainerWorker")[0]
-    env = {**os.environ, "RATCHET_RAY_ADDRESS": ray_address(cluster.settings),
-           "RATCHET_TEMPORAL_ADDRESS": temporal_address(cluster.settings), **ray_auth_env(cluster.settings)}  # fmt: skip
-    # The CLI as a user runs it: a process of its own (it leaves through os._exit).
-    out = subprocess.run(
-        [str(Path(sys.executable).parent / "ratchet"), "drain", f"node-{index}", "--wait-s", "120"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"told: {handle.run_id}" in out.stdout and "every run moved off it" in out.stdout, out.stdout
-    summary = _result(cluster, handle.run_id)
-    run_checks.check_exactly_once(summary, run, STEPS, PROMPTS)
-    assert_same_weights(clean, summary, [f"drain node-{index}"])
-    logs = "".join(p.read_text(errors="replace") for p in cluster.settings.logs_dir.glob("node-*.log"))
-    assert re.search(rf"run {handle.run_id}: trainer rebuilt at v(\d+) from checkpoint step-0*\1 and 0 replayed updates", logs), logs[-3000:]
-    assert index not in cluster.nodes_running("TrainerWorker")
-    cluster.replace_node(index)  # the drained node goes, as the reclaim would take it

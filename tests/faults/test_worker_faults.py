@@ -329,6 +329,30 @@ def test_two_activities_that_find_the_trainer_gone_rebuild_it_once(platform, ray
         release_run_actors("lease-run")
 
 
+def test_a_wait_fails_as_soon_as_one_of_its_refs_fails(ray_driver):
+    """Trainer ranks wait on each other in collectives: when one dies, the others block until
+    the process group's timeout (30 minutes). A wait on all of them must fail with the first
+    failure, not wait for the blocked ones (found when a node died during a rebuild)."""
+    from ratchet.activities.ray_calls import wait
+    from ratchet.workers.actors import PlainWaiter
+
+    @ray_driver.remote(num_cpus=0)
+    def rank_that_died():
+        raise ValueError("rank 1 died")
+
+    @ray_driver.remote(num_cpus=0)
+    def rank_blocked_in_a_collective():
+        time.sleep(600)
+
+    for waits in (PlainWaiter().wait, wait):
+        blocked = rank_blocked_in_a_collective.remote()
+        with pytest.raises(Exception, match="rank 1 died"):
+            waits([blocked, rank_that_died.remote()])
+        done, _ = ray_driver.wait([blocked], timeout=0)
+        assert not done, "the wait ended before the blocked ref, as it must"
+        ray_driver.cancel(blocked, force=True)
+
+
 def test_a_restore_lease_is_exclusive_until_released_or_expired():
     from ratchet.workers.actors.restore_lease import RestoreLease
 

@@ -2,7 +2,8 @@
 (a different $RATCHET_CACHE_DIR per actor, as two nodes would have), checkpoint into the
 object store and are restored from it alone after both folders are gone (real Ray, gloo
 on CPU); and the process group's rendezvous on a node's network address instead of
-127.0.0.1 (two processes, no Ray)."""
+127.0.0.1 (two processes, no Ray). The same on S3, with the ranks on two Ray nodes that
+die, is tests/e2e/test_node_failure.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import torch
 from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
 
 from ..faults.test_worker_faults import TINY, stored_step
-from ..s3_server import moto_server, s3_env  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is (disabled, )?unavailable or uninitialized")
 
@@ -267,44 +267,5 @@ def test_two_ranks_without_a_shared_disk_checkpoint_and_restore_from_the_store(p
         assert_same(after, before)
         assert not any(n.exists() for n in nodes), "the restore needed nothing of the dead nodes' folders"
         assert ray_driver.get([a.__ray_call__.remote(_restore_folders, run_id) for a in ranks]) == [[], []]
-    finally:
-        release_run_actors(run_id)
-
-
-def test_two_ranks_checkpoint_to_s3_and_restore_on_fresh_nodes(platform, ray_driver, tmp_path, s3_env):
-    """The same on S3-protocol storage (moto): both ranks upload to the bucket, and two
-    fresh ranks, each with an empty folder of its own, load the checkpoint from the
-    bucket alone (reshard-free: same world size) bit for bit."""
-    from ratchet.config import load_config
-    from ratchet.platform.client import RECIPE_PATH
-    from ratchet.workers.actors import RunActors, release_run_actors
-    from ratchet.workers.local_paths import ENV_VAR
-
-    run_id = "two-nodes-s3"
-    aws = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    cfg = load_config(RECIPE_PATH, platform.overrides(*TINY, *RUN_OVERRIDES))
-    actors = RunActors(run_id, f"s3://{s3_env.bucket}/{run_id}", cfg)
-    run = ObjectStore(actors.run_uri)
-    stored_step(run)
-    model = str(platform.assets.model)
-    try:
-        old = [tmp_path / "old-0", tmp_path / "old-1"]
-        ranks = start_ranks(ray_driver, actors, model, [{**aws, ENV_VAR: str(n)} for n in old])
-        ray_driver.get([a.train.remote(0, 0, 0.0) for a in ranks])
-        assert checkpoint(ray_driver, ranks, 1) == [None, None]
-        before = ray_driver.get([a.__ray_call__.remote(_full_state) for a in ranks])
-        info = CheckpointStore(run).get("step-00000001")
-        assert all(s in info.files for s in SHARDS) and CheckpointStore(run).verify("step-00000001")
-        for n in old:
-            shutil.rmtree(n)
-        actors.kill_trainers()
-
-        new = [tmp_path / "new-0", tmp_path / "new-1"]
-        ranks = start_ranks(ray_driver, actors, model, [{**aws, ENV_VAR: str(n)} for n in new])
-        outs = ray_driver.get([a.restore_from_store.remote("step-00000001") for a in ranks])
-        assert [(o.version, o.problems) for o in outs] == [(1, ()), (1, ())]
-        assert_same(ray_driver.get([a.__ray_call__.remote(_full_state) for a in ranks]), before)
-        for n in new:  # each rank fetched into its own node's folder, and removed its copy
-            assert (n / "restore").is_dir() and not any((n / "restore").iterdir())
     finally:
         release_run_actors(run_id)

@@ -37,12 +37,14 @@ class PlainWaiter:
     def wait(self, refs: Any, *, timeout_s: float | None = None) -> Any:
         single = not isinstance(refs, list)
         pending = [refs] if single else list(refs)
-        if timeout_s is not None:
-            deadline = time.monotonic() + timeout_s
-            _, left = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if left:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
                 raise WaitTimeout(f"Ray work not done after {timeout_s:g} s")
-        values = ray.get(pending)
+            ray.get(ready)  # a failure ends the wait at once (the others may wait on it in a collective)
+        values = ray.get([refs] if single else list(refs))
         return values[0] if single else values
 
     def progress(self, details: str) -> None:
