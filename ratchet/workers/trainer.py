@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from .checkpointing import StoreRestore
 
 log = logging.getLogger(__name__)
+# Building a Hugging Face model for an export: one thread of the process at a time (_write_hf).
+_HF_BUILD_LOCK = threading.Lock()
 
 # `published_weights` answers from a thread of its own, while an update runs; the `sync_*`
 # methods hand buckets to the rollout replicas while the main thread gathers them.
@@ -484,9 +486,13 @@ class TrainerWorker:
         loadable by from_pretrained and vLLM: the one export, for checkpoints and `export`."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(self.policy_path)
-        model.load_state_dict(state, strict=False)
-        write_hf_folder(model, AutoTokenizer.from_pretrained(self.policy_path), out)
+        # One at a time per process: the background checkpoint thread and `export` may both
+        # get here, and from_pretrained's empty-weights init is process-wide state (a model
+        # built while another thread is inside it can keep meta tensors).
+        with _HF_BUILD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(self.policy_path)
+            model.load_state_dict(state, strict=False)
+            write_hf_folder(model, AutoTokenizer.from_pretrained(self.policy_path), out)
 
     def wait_checkpoint(self) -> CheckpointOutcome:
         """Wait for the checkpoint in flight (if any) to be committed; the latest
