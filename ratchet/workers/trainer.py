@@ -11,6 +11,10 @@ own and uploads it; rank 0 also exports the policy in Hugging Face format and, o
 rank's upload is done, commits the manifest last (storage/checkpoint_store.py). A restore
 has every rank fetch the state from the object store itself (`restore_from_store`), so no
 rank needs a disk shared with another, or with the node that wrote the checkpoint.
+
+Long (over 500 lines) but one job: the Ray-facing methods of one rank. The work behind
+them lives elsewhere (policy_update.py, checkpointing.py, weight_sync/); what stays here is
+the ordering between them on a rank's threads, which is clearest in one place.
 """
 
 from __future__ import annotations
