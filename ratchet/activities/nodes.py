@@ -8,7 +8,7 @@ from temporalio import activity
 from ratchet import types as t
 from ratchet.workers.actors.evacuation import evacuate
 
-from .training import _settle_last_checkpoint, actors_for
+from .training import actors_for, settle_last_checkpoint
 from .translate import temporal_errors
 
 
@@ -20,7 +20,7 @@ def evacuate_nodes(inp: t.EvacuateInput) -> t.EvacuateOutput:
     actors = actors_for(inp.run)
     ranks = actors.trainer_ranks()
     if all(a is not None for a in ranks):
-        _settle_last_checkpoint(inp.run.run_id, ranks)
+        settle_last_checkpoint(inp.run.run_id, ranks)
     return t.EvacuateOutput(released=evacuate(actors, inp.node_ids))
 
 

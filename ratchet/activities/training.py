@@ -285,7 +285,7 @@ def _checkpoint_errors(outs: list[CheckpointStarted | CheckpointOutcome]) -> str
     return "; ".join(dict.fromkeys(o.error for o in outs if o.error))
 
 
-def _settle_last_checkpoint(run_id: str, ranks: list) -> None:
+def settle_last_checkpoint(run_id: str, ranks: list) -> None:
     """A run must not complete without its last checkpoint: if it failed, take it again
     (the trainer still holds its version unless it trained on); if that fails too, fail
     the attempt: Temporal retries it, and then the run fails naming the checkpoint."""
@@ -321,7 +321,7 @@ def finish_run(inp: t.FinishInput) -> t.FinishOutput:
     actors = actors_for(inp.run)
     uri = ""
     ranks = actors.trainers(inp.policy_version)
-    _settle_last_checkpoint(inp.run.run_id, ranks)  # the last upload lands first
+    settle_last_checkpoint(inp.run.run_id, ranks)  # the last upload lands first
     if cfg.checkpoint.export_final:
         uri = wait([a.export.remote(RunLayout.FINAL_MODEL) for a in ranks])[0]
     registry_calls.run_finished(inp.run, cfg.loop.steps)

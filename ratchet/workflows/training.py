@@ -22,7 +22,7 @@ one, when a sync or checkpoint is due, what a checkpoint keeps of the work in fl
 metrics line) are pure functions in `scheduling.py`, and how each activity is called
 (time limits, heartbeats, retries) is `phases.py`; this module orchestrates.
 
-Why one class of ~620 lines (live changes and search attributes now live in live.py and
+Why one class of ~650 lines (live changes and search attributes now live in live.py and
 search_attributes.py; only their calls are here): the three loops and the pieces of a step (rollout, train,
 sync, checkpoint, evaluate, record) share one in-memory state machine — the batches in
 flight and their prompts, the rollout lock, the pause and stop flags, the metrics line
@@ -33,8 +33,8 @@ The workflow is the controller with the global view (HybridFlow): it owns the ru
 (step, policy versions, prompt frontier, ready batches) and tells workers what to do; the
 workers are caches of that state. Everything here is deterministic (DESIGN.md, rule 8):
 no torch, no Ray, no clocks but `workflow.now()`; activities are called by name with
-dataclasses from `ratchet.types`. `pause`, `resume`, `stop` and the `set_params` update (live
-hyper-parameters: workflows/live.py) take effect at a step boundary in every mode.
+dataclasses from `ratchet.types`. `pause`, `resume`, `stop`, `drain` (move off a node about to go) and the `set_params`
+update (live hyper-parameters: workflows/live.py) take effect at a step boundary in every mode.
 """
 
 from __future__ import annotations
