@@ -1,11 +1,11 @@
 """Prepare a Temporal cluster for ratchet, once per namespace, idempotently: wait for the
 frontend, register the namespace if it is missing, and add ratchet's search attributes
-(ratchet/workflows/search_attributes.py) it lacks.
+(src/ratchet/workflows/search_attributes.py) it lacks.
 
 Run from the ratchet image (the compose service `temporal-setup`, the Kubernetes Job
 `ratchet-temporal-setup`): `python deploy/images/setup_temporal.py`. It reads the same
 variables as every ratchet process: RATCHET_TEMPORAL_ADDRESS, RATCHET_TEMPORAL_NAMESPACE and
-the TLS / API-key ones (ratchet/platform/temporal_connection.py); RATCHET_TEMPORAL_RETENTION
+the TLS / API-key ones (src/ratchet/platform/temporal_connection.py); RATCHET_TEMPORAL_RETENTION
 (default 7d: days, `d`, or hours, `h`) is the new namespace's history retention.
 On Temporal Cloud, namespaces and search attributes are made with `tcld` or the Cloud UI
 instead (docs/deploy.md).

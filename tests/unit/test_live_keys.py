@@ -1,5 +1,5 @@
 """Live hyper-parameters: which keys may change on a running run, how a change is checked
-(ratchet/config/live_keys.py), and how the workflow holds it (ratchet/workflows/live.py)."""
+(src/ratchet/config/live_keys.py), and how the workflow holds it (src/ratchet/workflows/live.py)."""
 
 from __future__ import annotations
 

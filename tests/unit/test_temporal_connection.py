@@ -1,4 +1,4 @@
-"""Temporal connection options from the environment (ratchet/platform/temporal_connection.py):
+"""Temporal connection options from the environment (src/ratchet/platform/temporal_connection.py):
 what `Client.connect` receives for each combination of variables, and the error, naming the
 variable, for each bad one. No network: a real TLS connection through a proxy in front of a
 dev server is tests/deploy/test_temporal_tls.py."""

@@ -108,7 +108,7 @@ EVALS_KEPT = 32
 @dataclass
 class LiveParams:
     """Hyper-parameters set on a running run (the `set_params` update; which keys may
-    change and why: ratchet/config/live_keys.py). Constant-size: one value per key ever
+    change and why: src/ratchet/config/live_keys.py). Constant-size: one value per key ever
     changed, whatever the number of changes; each change is in the Temporal history (the
     update) and in metrics.jsonl (`live_changed` on the step it applies from)."""
 
@@ -178,7 +178,7 @@ class TrainingInput:
     lineage: RunLineage = field(default_factory=RunLineage)
     # The namespace has ratchet's search attributes (checked by the client at submit): the
     # workflow upserts step, reward and status as it goes. False on a server without them,
-    # where an upsert would fail every workflow task (ratchet/workflows/search_attributes.py).
+    # where an upsert would fail every workflow task (src/ratchet/workflows/search_attributes.py).
     search_attributes: bool = False
 
 

@@ -7,9 +7,9 @@ over-long prompt, a tokenizer without a pad token or a chat template fail inside
 rollout actor, retried five times. Here each problem is one issue naming the file's field,
 the first few rows (counted from 0, as pyarrow and pandas do) and how many rows share it.
 
-Each file (parquet, JSON Lines or a `save_to_disk` folder: ratchet/data/files.py) is read
+Each file (parquet, JSON Lines or a `save_to_disk` folder: src/ratchet/data/files.py) is read
 once, only the columns the run uses, and its prompts are tokenized in one batch with the
-call the rollout makes (ratchet/data/prompt_format.py: the chat template with the
+call the rollout makes (src/ratchet/data/prompt_format.py: the chat template with the
 generation prompt, or the raw text), so a prompt passes here if and only if the rollout
 accepts it. transformers and pyarrow are imported inside the functions: validating a
 config without `check_files` stays free of them.

@@ -1,7 +1,7 @@
 """What the actors return: typed, frozen results instead of dicts.
 
 Ray pickles them between processes (they are not stored anywhere durable); the
-activities turn them into the dataclasses that cross Temporal (ratchet/types.py).
+activities turn them into the dataclasses that cross Temporal (src/ratchet/types.py).
 """
 
 from __future__ import annotations

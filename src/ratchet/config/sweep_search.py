@@ -3,7 +3,7 @@
 Pure functions of (space, seed, trial index): the client computes every trial's values to
 validate them before the sweep starts, and the worker's activity computes the same values
 again for trial k whenever it is asked (a retry or a replay gets the same answer without
-reading any state). A space maps dotted keys to `ParamSpace`s (ratchet/config/sweep_spec.py),
+reading any state). A space maps dotted keys to `ParamSpace`s (src/ratchet/config/sweep_spec.py),
 read here by attribute only, so this module imports nothing of ratchet.
 """
 

@@ -147,7 +147,7 @@ class TrainingWorkflow:
     @workflow.update
     def set_params(self, values: dict[str, Any]) -> live.LiveChange:
         """Change hyper-parameters of the running run from the next step boundary (keys and
-        why: ratchet/config/live_keys.py). The update itself is the change's record in the
+        why: src/ratchet/config/live_keys.py). The update itself is the change's record in the
         history; it answers with the step the values apply from."""
         changes = self._live.check(self._state, values, closing=None)
         return self._live.accept(self._run_id, self._state, changes)

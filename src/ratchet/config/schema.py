@@ -359,7 +359,7 @@ class StorageConfig(Section):
     def _known_scheme(cls, root: str) -> str:
         """Any other fsspec protocol (or a `s3:/` typo read as a local folder) would fail, or
         write somewhere unexpected, only once the workers start. The schemes, and which need a
-        bucket, come from the storage layer's table (ratchet/storage/schemes.py)."""
+        bucket, come from the storage layer's table (src/ratchet/storage/schemes.py)."""
         supported = schemes.supported()
         if not root.strip():
             raise ValueError(f"empty; set {supported}")

@@ -5,7 +5,7 @@ store) and wandb (when configured, offline by default).
 are the two backends; `session.RunTracking` holds one run's backends in a process and
 continues their runs from the run folder's `tracking.json`; `dispatch.DISPATCHER` does
 the work on one background thread so that no training step waits for a tracker. The
-activities call it through `ratchet/activities/tracking_calls.py`. MLflow and wandb are
+activities call it through `src/ratchet/activities/tracking_calls.py`. MLflow and wandb are
 imported only when a backend is built.
 """
 

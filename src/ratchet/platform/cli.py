@@ -238,7 +238,7 @@ RootOption = typer.Option(None, "--root", help="The run's storage.root (default 
 def resume(
     run_id: str,
     overrides: Optional[List[str]] = typer.Argument(
-        None, help="Config changes for a resume from a checkpoint, e.g. trainer.world_size=2 (which keys may change: ratchet/config/resume_keys.py)."
+        None, help="Config changes for a resume from a checkpoint, e.g. trainer.world_size=2 (which keys may change: src/ratchet/config/resume_keys.py)."
     ),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint name (default: the latest good one)."),
     root: Optional[str] = RootOption,
@@ -358,7 +358,7 @@ def _flush_and_exit(code: int) -> None:
 def set_params(
     run_id: str,
     changes: List[str] = typer.Argument(
-        ..., help="key=value pairs, e.g. trainer.lr=1e-5 (which keys may change live: ratchet/config/live_keys.py)."
+        ..., help="key=value pairs, e.g. trainer.lr=1e-5 (which keys may change live: src/ratchet/config/live_keys.py)."
     ),
 ) -> None:
     """Change hyper-parameters of a running run from its next step boundary."""
@@ -389,7 +389,7 @@ def fork(
     run_id: str,
     checkpoint: str = typer.Option(..., "--checkpoint", help="The parent's checkpoint to start from, e.g. step-20 (ratchet checkpoints RUN)."),
     overrides: Optional[List[str]] = typer.Argument(
-        None, help="Config changes, e.g. trainer.lr=1e-5 loop.steps=60 (the keys a resume may change: ratchet/config/resume_keys.py)."
+        None, help="Config changes, e.g. trainer.lr=1e-5 loop.steps=60 (the keys a resume may change: src/ratchet/config/resume_keys.py)."
     ),
     root: Optional[str] = RootOption,
     new_run_id: Optional[str] = typer.Option(None, "--run-id", help="The new run's id (default: <tracking.name>-<time>-<random>)."),
@@ -492,7 +492,7 @@ def runs(
 
 def _checked_query(where: str, find=None, **kwargs):
     """`ratchet runs --where`: the query checked (or, with `find`, run); a bad one exits 2
-    with the message naming the search attributes (ratchet/platform/search.py)."""
+    with the message naming the search attributes (src/ratchet/platform/search.py)."""
     from .search import InvalidQuery, check_query
 
     try:
@@ -538,7 +538,7 @@ def registry_rebuild(
 
 
 
-# -- sweeps and schedules (ratchet/platform/sweeps.py, schedules.py) ------------------------
+# -- sweeps and schedules (src/ratchet/platform/sweeps.py, schedules.py) ------------------------
 
 
 @app.command()

@@ -2,7 +2,7 @@
 changes waiting for the next step boundary, and their place in the run state and the
 metrics line.
 
-A change is checked twice with the same pure function (ratchet/config/live_keys.py): by
+A change is checked twice with the same pure function (src/ratchet/config/live_keys.py): by
 the update's validator, which refuses it before it enters the history, and by the handler,
 which stores the values as the config's fields hold them (the handler also runs on replay,
 the validator does not). It waits in `pending` until the loop reaches a step boundary, so

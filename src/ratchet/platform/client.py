@@ -27,7 +27,7 @@ from .handles import WorkflowHandle
 
 WORKFLOW = "TrainingWorkflow"
 # The demo recipe, in a source checkout.
-RECIPE_PATH = Path(__file__).resolve().parents[2] / "examples" / "copy_grpo.yaml"
+RECIPE_PATH = Path(__file__).resolve().parents[3] / "examples" / "copy_grpo.yaml"
 
 
 def _json_payload(data: bytes):
@@ -299,7 +299,7 @@ class Client:
         """A new run that starts from checkpoint `checkpoint` (`step-20`) of run `run_id`,
         with `overrides` (the keys a resume may change: ratchet.config.resume_keys), linked
         to its parent (TrainingInput.lineage). The parent's folder is only read; see
-        ratchet/platform/fork.py."""
+        src/ratchet/platform/fork.py."""
         from .fork import fork
 
         return fork(self, run_id, checkpoint, overrides, root=root, new_run_id=new_run_id)
@@ -307,7 +307,7 @@ class Client:
     def find(self, where: str, *, limit: int = 200):
         """Runs by their search attributes: `client.find("ratchet_reward > 0.3")` ->
         list[RunListing], newest first; InvalidQuery names the attributes there are
-        (ratchet/platform/search.py)."""
+        (src/ratchet/platform/search.py)."""
         from .search import find_runs
 
         return self._run(find_runs(self._temporal, where, limit=limit))
@@ -319,7 +319,7 @@ class Client:
         """Validate a sweep spec (a YAML path, a mapping or a SweepSpec; `sweep.KEY=V`
         overrides set spec keys, others the base run config) and every trial config known
         up front, then start the sweep; a SweepHandle (progress, result, pause, resume,
-        cancel). ratchet/platform/sweeps.py."""
+        cancel). src/ratchet/platform/sweeps.py."""
         from .sweeps import start_sweep
 
         return start_sweep(self, spec, overrides, sweep_id=sweep_id)

@@ -1,7 +1,7 @@
 """Messages of the sweep workflow: its input, its activities' inputs and outputs, what its
 queries and its result carry back.
 
-Standard library only (plus `ratchet.types`), like `ratchet/types.py`, so the workflow
+Standard library only (plus `ratchet.types`), like `src/ratchet/types.py`, so the workflow
 imports it inside Temporal's sandbox. Small: configs as plain JSON, params as scalars.
 """
 

@@ -1,5 +1,5 @@
 """A dataset's prompts, tokenized once: through the chat template or as raw text
-(ratchet/data/prompt_format.py), from parquet, JSON Lines or a save_to_disk folder."""
+(src/ratchet/data/prompt_format.py), from parquet, JSON Lines or a save_to_disk folder."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Hugging Face names, moved by what the placement allows (docs/weight_sync.md):
 - cuda_ipc.py: CUDA IPC handles when trainer and engine share a GPU.
 - nccl.py: broadcast from trainer rank 0 into a separate engine process group.
 - device_sync.py: the CUDA IPC and NCCL syncs wired through the actors (which one:
-  ratchet/config/sync_transport.py).
+  src/ratchet/config/sync_transport.py).
 """
 
 from .buckets import MB, Manifest, TensorSpec, WeightBucket, WeightNamesMismatch, check_names, plan_buckets
