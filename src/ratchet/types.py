@@ -180,6 +180,8 @@ class TrainingInput:
     # workflow upserts step, reward and status as it goes. False on a server without them,
     # where an upsert would fail every workflow task (src/ratchet/workflows/search_attributes.py).
     search_attributes: bool = False
+    # A resume from a checkpoint: its name (step-00000029), for the progress query's phase.
+    restore_from: str = ""
 
 
 @dataclass
@@ -382,7 +384,7 @@ class ReleaseInput:
     """Release every Ray actor of a run (any way the run ends: completed, failed, cancelled)."""
 
     run_id: str
-    reason: str = ""  # "cancelled" or "failed": how the run ended, for the run registry
+    reason: str = ""  # "cancelled", "failed" or "stopped" (in the queue): how the run ended, for the run registry
 
 
 @dataclass
@@ -404,6 +406,9 @@ class Progress:
     eval_rewards: dict[str, float] = field(default_factory=dict)
     paused: bool = False
     stopping: bool = False
+    # The activity the workflow last called (`phase` reads in words before the first step:
+    # "warm-up (10 steps)", "starting workers", "step-0 eval", "restoring from step-00000029").
+    activity: str = ""
 
 
 @dataclass

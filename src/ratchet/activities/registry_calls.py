@@ -168,7 +168,8 @@ def run_released(inp: t.ReleaseInput) -> None:
     if current is not None and current.status != "running":
         return
     reason = inp.reason or "failed"
-    reg.finish_run(inp.run_id, reason if reason in ("failed", "cancelled") else "failed", None)
+    # "stopped": a stop while the run waited in the admission queue (it never trained).
+    reg.finish_run(inp.run_id, reason if reason in ("failed", "cancelled", "stopped") else "failed", None)
 
 
 __all__ = ["checkpoints_changed", "registry", "run_finished", "run_prepared", "run_released", "step_recorded"]

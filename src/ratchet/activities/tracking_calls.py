@@ -87,7 +87,9 @@ def run_finished(inp: t.FinishInput) -> None:
 
 
 def run_released(inp: t.ReleaseInput) -> None:
-    """The run ended without finishing (release_run runs on failure and cancellation):
-    its tracker runs open in this process are marked failed and closed. (Another process's
-    are not reopened for it: the input names no run folder.)"""
-    _hand_over(f"run {inp.run_id} released", lambda d: d.drop(inp.run_id, failed=True))
+    """The run ended without finishing (release_run runs on failure and cancellation, and
+    for a run stopped while queued): its tracker runs open in this process are closed,
+    marked failed unless it was stopped. (Another process's are not reopened for it: the
+    input names no run folder.)"""
+    failed = inp.reason != "stopped"
+    _hand_over(f"run {inp.run_id} released", lambda d: d.drop(inp.run_id, failed=failed))

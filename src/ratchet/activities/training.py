@@ -30,6 +30,7 @@ from ratchet.workers.warmup import warmup_policy
 
 from . import registry_calls
 from . import tracking_calls
+from .admission import admit_run
 from .ray_calls import ACTIVITY_WAITER, wait
 from .translate import temporal_errors
 
@@ -88,13 +89,15 @@ def warmup(inp: t.WarmupInput) -> t.WarmupOutput:
 @activity.defn(name="start_workers")
 @temporal_errors
 def start_workers(inp: t.StartWorkersInput) -> t.StartWorkersOutput:
-    """Create the run's actors. On a resume from a checkpoint (`restore_version` set), first
-    release whatever actors the run still has, and rebuild the trainer at that version."""
+    """Create the run's actors (the run holds its admission grant: `admit_run`; each actor
+    re-registers it, see placement.create_actor). On a resume from a checkpoint
+    (`restore_version` set), first release whatever actors the run still has, and rebuild
+    the trainer at that version."""
     t0 = time.perf_counter()
     actors = actors_for(inp.run)
     actors.check_resources()
     if inp.restore_version is not None:
-        actors.shutdown()
+        actors.shutdown(keep_admission=True)  # rebuilt at once: no queued run takes their CPUs
         actors.trainers(inp.restore_version)
         source = actors.initial_policy()
         wait([*(a.policy_version.remote() for a in actors.start_rollouts(source)), actors.start_reward(source).__ray_ready__.remote()])
@@ -346,5 +349,5 @@ def release_run(inp: t.ReleaseInput) -> t.ReleaseOutput:
 
 ALL_ACTIVITIES = [
     prepare_run, warmup, start_workers, generate, score, train, sync_weights, step, evaluate, checkpoint, record_step, finish_run,
-    release_run,
+    release_run, admit_run,
 ]  # fmt: skip

@@ -20,6 +20,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Durable RL p
 console = Console()
 err = Console(stderr=True)
 
+@app.callback()
+def _global_options(
+    debug: bool = typer.Option(False, "--debug", help="Show the Python traceback instead of a one-line message (or set RATCHET_DEBUG=1)."),
+) -> None:
+    from .cli_errors import set_debug
+
+    set_debug(debug)
+
+
 StateDir = typer.Option(None, "--state-dir", help="Folder for the embedded services' state (default ./.ratchet, or $RATCHET_STATE_DIR).")
 
 
@@ -71,7 +80,9 @@ def up(
     except ServiceError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1)
-    _print_status(st)
+    from .status_view import print_services
+
+    print_services(console, st, st.started)
 
 
 @app.command()
@@ -84,17 +95,25 @@ def down(state_dir: Optional[Path] = StateDir) -> None:
 
 
 @app.command()
-def status(state_dir: Optional[Path] = StateDir) -> None:
-    """Show the embedded services and their addresses."""
+def status(
+    state_dir: Optional[Path] = StateDir,
+    as_json: bool = typer.Option(False, "--json", help="The same facts as one JSON object, for scripts."),
+) -> None:
+    """Show the embedded services with their addresses, and the runs in flight."""
     from .services import status as read
+    from .status_view import print_runs, print_services, runs_in_flight, status_json
 
-    _print_status(read(_settings(state_dir)))
-
-
-def _print_status(st) -> None:
-    from dataclasses import asdict
-
-    console.print_json(json.dumps(asdict(st), default=str))
+    st = read(_settings(state_dir))
+    # The server the other commands talk to: $RATCHET_TEMPORAL_ADDRESS, else the embedded one.
+    address = os.environ.get("RATCHET_TEMPORAL_ADDRESS")
+    fix = "is RATCHET_TEMPORAL_ADDRESS right? (docs/deploy.md)" if address else "start it with `ratchet up`"
+    runs, total, why = runs_in_flight(address or st.temporal_address, fix=fix)
+    if as_json:
+        sys.stdout.write(status_json(st, runs, total, why) + "\n")
+    else:
+        print_services(console, st)
+        print_runs(console, runs, total, why)
+    _flush_and_exit(0)  # a Temporal client may have been made
 
 
 @app.command()
@@ -102,15 +121,23 @@ def worker(
     temporal_address: Optional[str] = typer.Option(None, help="Temporal frontend host:port (default $RATCHET_TEMPORAL_ADDRESS or 127.0.0.1:7233)."),
     ray_address: Optional[str] = typer.Option(None, help="Ray GCS host:port (default $RATCHET_RAY_ADDRESS or 127.0.0.1:6380)."),
     namespace: Optional[str] = typer.Option(None, help="Temporal namespace (default $RATCHET_TEMPORAL_NAMESPACE, $RATCHET_NAMESPACE or 'default'; TLS and API key: docs/deploy.md)."),
+    wait_s: Optional[float] = typer.Option(
+        None, "--wait-s", min=0,
+        help="Wait this long for an unreachable Temporal server or Ray head before exiting 1 (default $RATCHET_WORKER_WAIT_S or 0: at once).",
+    ),
 ) -> None:
-    """Run a Temporal worker for ratchet's workflows and activities (SIGTERM stops it gracefully)."""
-    from .worker import WorkerSettings, run_worker
+    """Run a Temporal worker for ratchet's workflows and activities (SIGTERM stops it gracefully).
+    It says `worker ready` once it serves; a Temporal server that goes away is retried quietly
+    for $RATCHET_WORKER_LOST_SERVER_S (default 120 s), then it exits 1."""
+    from .worker import WorkerSettings, run_worker, show_status
 
     settings = WorkerSettings.from_env()
     settings.temporal_address = temporal_address or settings.temporal_address
     settings.ray_address = ray_address or settings.ray_address
     settings.namespace = namespace or settings.namespace
-    run_worker(settings)
+    settings.wait_s = settings.wait_s if wait_s is None else wait_s
+    show_status(sys.stderr)  # ready, server lost, back, giving up: one plain line each
+    run_worker(settings)  # ServiceUnreachable: main() prints its line, exit 1
 
 
 @app.command()
@@ -146,16 +173,34 @@ def prepare(
 
 
 @app.command()
-def schema() -> None:
-    """Every config key with its type, default and meaning."""
+def schema(
+    section: Optional[str] = typer.Argument(None, help="Only the keys of this section, e.g. trainer or rollout.vllm."),
+) -> None:
+    """Every config key with its type, default and meaning (or only SECTION's)."""
+    import difflib
+
     from rich.table import Table
 
     from ratchet.config.schema import RunConfig
 
-    table = Table("key", "type", "default", "meaning", title="run configuration")
-    for key, type_, default, doc in _fields(RunConfig):
+    from .tables import fact_column, show, text_column
+
+    rows = list(_fields(RunConfig))
+    if section is not None:
+        sections = sorted({key.split(".")[0] for key, *_ in rows})
+        rows = [r for r in rows if r[0] == section or r[0].startswith(f"{section}.")]
+        if not rows:
+            near = difflib.get_close_matches(section, sections, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            typer.secho(f"no config section {section!r}{hint}; the sections are: {', '.join(sections)}", err=True, fg="red")
+            raise typer.Exit(2)
+    table = Table(title="run configuration" + (f": {section}" if section else ""))
+    for col in ("key", "type", "default"):  # what a user copies into a config or an override
+        fact_column(table, col)
+    text_column(table, "meaning")
+    for key, type_, default, doc in rows:
         table.add_row(key, type_, default, doc)
-    console.print(table)
+    show(console, table)
 
 
 def _fields(model, prefix: str = ""):
@@ -181,14 +226,13 @@ def _fields(model, prefix: str = ""):
 def train(
     config: Path = typer.Argument(..., help="Run config (YAML)."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides, e.g. trainer.lr=3e-4."),
-    detach: bool = typer.Option(False, "--detach", help="Submit and return the run id without waiting."),
+    detach: bool = typer.Option(False, "--detach", help="Submit and return the run id without waiting (follow it later with `ratchet watch RUN`)."),
 ) -> None:
-    """Validate CONFIG, submit the run, and follow it with a progress bar."""
+    """Validate CONFIG, submit the run, and follow it with a progress bar (Ctrl-C leaves the run going)."""
     from ratchet.config import load_config
     from ratchet.ids import InvalidId
 
     from .client import Client
-    from .watch import summary_table, watch
 
     cfg = _exit_on_config_error(load_config, config, overrides or [])
     client = Client.connect()
@@ -198,10 +242,42 @@ def train(
         typer.secho(str(exc), err=True, fg="red")
         raise typer.Exit(2)
     console.print(f"submitted run [bold]{handle.run_id}[/bold]")
+    _warn_if_no_worker(client, client.task_queue, "the run is queued and starts when one does")
     if detach:
-        return
-    summary = watch(handle, console)
-    console.print(summary_table(summary, 0.0))
+        run_id = handle.run_id
+        console.print(f"follow it with `ratchet watch {run_id}`, stop it with `ratchet stop {run_id}`", soft_wrap=True, highlight=False)
+        _flush_and_exit(0)
+    _follow(handle)
+
+
+@app.command("watch")
+def watch_run(run_id: str) -> None:
+    """Follow RUN_ID with the progress bar `train` shows (again, after Ctrl-C or --detach); a finished run: its summary."""
+    from .client import Client
+
+    _checked_id(run_id)
+    _follow(Client.connect().get(run_id))
+
+
+def _follow(handle) -> None:
+    """The run's progress bar until it ends, then its summary (src/ratchet/platform/watch.py);
+    Ctrl-C leaves the run going and says how to come back to it."""
+    from .watch import LEFT_RUNNING, RunEnded, RunNotFound, follow_run
+
+    try:
+        summary = follow_run(handle, console)
+    except KeyboardInterrupt:
+        err.print(LEFT_RUNNING.format(run_id=handle.run_id), soft_wrap=True, highlight=False, markup=False)
+        _flush_and_exit(130)
+    except (RunNotFound, RunEnded) as exc:
+        err.print(str(exc), style="red", soft_wrap=True, highlight=False, markup=False)
+        _flush_and_exit(2 if isinstance(exc, RunNotFound) else 1)
+    from .tables import show
+    from .watch import summary_table, temporal_ui_url, wall_seconds
+    from .worker import default_temporal_address
+
+    ui_url = temporal_ui_url(default_temporal_address())
+    show(console, summary_table(summary, wall_seconds(handle), ui_url, handle.client._temporal.namespace))
     _flush_and_exit(0)
 
 
@@ -217,12 +293,30 @@ def _checked_id(value: str, what: str = "run id") -> str:
 
 
 def _signal(run_id: str, what: str) -> None:
+    from .cli_errors import check_run
     from .client import Client
 
     _checked_id(run_id)
-    getattr(Client.connect().get(run_id), what)()
+    client = Client.connect()
+    task_queue = check_run(client, run_id, f"nothing to {what}")  # no such run: exit 2; ended: exit 1
+    getattr(client.get(run_id), what)()
     console.print(f"{what}: sent to {run_id}")
+    _warn_if_no_worker(client, task_queue, "the run acts on it when one starts")
     _flush_and_exit(0)
+
+
+def _warn_if_no_worker(client, task_queue: Optional[str], then: str) -> None:
+    """One warning line when no worker polls the run's task queue (the signal or the run
+    waits in Temporal until one does); a failed check is not the command's failure."""
+    from .cli_errors import no_worker_line
+
+    try:
+        line = no_worker_line(client, task_queue)
+    except Exception:  # noqa: BLE001 - a hint only
+        logging.getLogger(__name__).debug("task queue check failed", exc_info=True)
+        return
+    if line:
+        typer.secho(f"{line} ({then})", err=True, fg="yellow")
 
 
 @app.command()
@@ -244,7 +338,7 @@ def resume(
     root: Optional[str] = RootOption,
 ) -> None:
     """Resume a paused run; or continue a stopped or failed run from a checkpoint."""
-    from .client import Client, RunIsLive
+    from .client import Client, NothingToResume, RunIsLive
 
     _checked_id(run_id)
     if checkpoint is not None:
@@ -258,10 +352,17 @@ def resume(
         _signal(run_id, "resume")
     try:
         handle = _exit_on_config_error(client.resume, run_id, overrides or [], root=root, checkpoint=checkpoint)
+    except NothingToResume as exc:  # the run is done: not a usage error
+        typer.secho(str(exc), err=True, fg="red")
+        _flush_and_exit(1)
     except (FileNotFoundError, ValueError, RunIsLive) as exc:
         typer.secho(str(exc), err=True, fg="red")
         raise typer.Exit(2)
-    console.print(f"resumed run [bold]{run_id}[/bold] from its checkpoint")
+    point = handle.resumed_from
+    console.print(
+        f"resumed run {run_id} from checkpoint {point.checkpoint} (step {point.step}, policy version {point.policy_version})",
+        soft_wrap=True, highlight=False, markup=False,
+    )  # fmt: skip
     _flush_and_exit(0)
 
 
@@ -272,16 +373,41 @@ def checkpoints(run_id: str, root: Optional[str] = RootOption) -> None:
 
     from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
 
-    store = CheckpointStore(ObjectStore(root or RunLayout.DEFAULT_ROOT).child(_checked_id(run_id)))
+    run_store = ObjectStore(root or RunLayout.DEFAULT_ROOT).child(_checked_id(run_id))
+    store = CheckpointStore(run_store)
+    _exit_unless_checkpoints(store, run_store, run_id, root or RunLayout.DEFAULT_ROOT)
+    from .tables import fact_column, show, text_column
+
     table = Table(title=f"checkpoints of {run_id}")
-    for col in ("name", "step", "policy version", "world size", "MB", "created", "intact"):
-        table.add_column(col)
+    fact_column(table, "name")  # what `--checkpoint NAME` takes
+    for col in ("step", "policy version", "world size", "MB"):
+        text_column(table, col, justify="right")
+    fact_column(table, "created")
+    text_column(table, "intact")
     for info in store.list():
         table.add_row(
             info.name, str(info.step), str(info.meta.get("policy_version")), str(info.meta.get("world_size")),
-            f"{info.total_bytes / 1e6:.1f}", info.created, "yes" if store.verify(info.name) else "[red]no[/red]",
+            f"{info.total_bytes / 1e6:.1f}", info.created[:19].replace("T", " "), "yes" if store.verify(info.name) else "[red]no[/red]",
         )  # fmt: skip
-    console.print(table)
+    show(console, table)
+    _flush_and_exit(0)
+
+
+def _exit_unless_checkpoints(store, run_store, run_id: str, root: str) -> None:
+    """Say and exit when there is nothing to list: no run folder under `root` (exit 2,
+    naming the root: a wrong --root or run id), or a run with no checkpoint yet (exit 0)."""
+    from ratchet.storage import RunLayout
+
+    if store.list():
+        return
+    shown = root if "://" in root else f"{root} ({os.path.abspath(root)})" if not os.path.isabs(root) else root
+    if not run_store.exists(RunLayout.CONFIG) and not run_store.list():
+        typer.secho(
+            f"no run folder '{run_id}' under {shown}: pass --root (the run's storage.root), or see `ratchet runs` for run ids",
+            err=True, fg="red",
+        )  # fmt: skip
+        _flush_and_exit(2)
+    console.print(f"run {run_id} has no checkpoint yet (one is written every checkpoint.every steps)", soft_wrap=True, highlight=False, markup=False)
     _flush_and_exit(0)
 
 
@@ -301,9 +427,11 @@ def drain(
     and every run with actors there checkpoints at its next step boundary and moves them off."""
     from .client import Client
     from .drain import drain_node
+    from .reachability import check_services
     from .worker import WorkerSettings, connect_ray
 
     settings = WorkerSettings.from_env()
+    check_services(settings.temporal_address, settings.ray_address)  # one line, not Ray's retry loop
     connect_ray(settings.ray_address, settings.ray_auth_env)
     client = Client.connect(settings.temporal_address, namespace=settings.namespace)
     with console.status(f"draining {node}") as spinner:
@@ -329,8 +457,24 @@ def progress(run_id: str) -> None:
 
     from .client import Client
 
-    handle = Client.connect().get(_checked_id(run_id))
-    console.print_json(json.dumps({"progress": asdict(handle.progress()), "batches": [asdict(b) for b in handle.batches()]}))
+    from temporalio.service import RPCError
+
+    from .cli_errors import QUERY_TIMEOUT_S, CliError, check_run, no_worker_line
+
+    client = Client.connect()
+    handle = client.get(_checked_id(run_id))
+    # A query needs a worker to answer it: without one it would wait ~30 s for the server's timeout.
+    no_worker = no_worker_line(client, check_run(client, run_id, "no live progress to show"))
+    if no_worker:
+        raise CliError(no_worker, 1)
+    try:
+        progress_now = handle.progress(timeout=QUERY_TIMEOUT_S)
+    except RPCError as exc:  # a worker seen a moment ago has gone, or is too busy to answer
+        raise CliError(
+            f"run {run_id} did not answer within {QUERY_TIMEOUT_S:g} s ({exc.message or exc}): is a worker running? "
+            "start one with `ratchet worker`", 1,
+        ) from None
+    console.print_json(json.dumps({"progress": asdict(progress_now), "batches": [asdict(b) for b in handle.batches()]}))
     _flush_and_exit(0)
 
 
@@ -373,8 +517,15 @@ def set_params(
     if refused:  # before connecting: the key list is known here; values are the run's to check
         typer.secho(str(ConfigError(refused)), err=True, fg="red")
         raise typer.Exit(2)
+    from .cli_errors import CliError, check_run, no_worker_line
+
+    client = Client.connect()
+    # An update is answered by a worker: none, and it would wait for the server's timeout.
+    no_worker = no_worker_line(client, check_run(client, run_id, "nothing to change live"))
+    if no_worker:
+        raise CliError(no_worker, 1)
     try:
-        done = _exit_on_config_error(Client.connect().get(run_id).set, asked)
+        done = _exit_on_config_error(client.get(run_id).set, asked)
     except LiveChangeRefused as exc:
         typer.secho(str(exc), err=True, fg="red")
         raise typer.Exit(2)
@@ -452,6 +603,7 @@ def runs(
     from ratchet.registry import RUN_STATUSES, SORT_KEYS
 
     from .runs_view import curves_table, diff_table, runs_table
+    from .tables import show
 
     # Checked before the database is opened: a typo costs no connection.
     if status is not None and status not in RUN_STATUSES:
@@ -471,9 +623,9 @@ def runs(
         if missing:
             typer.secho(f"not in the run registry {reg.url}: {', '.join(missing)} (see `ratchet runs`)", err=True, fg="red")
             raise typer.Exit(2)
-        console.print(runs_table(found, "runs compared"))
-        console.print(diff_table(*found))
-        console.print(curves_table(*found, root=root))
+        show(console, runs_table(found, "runs compared"))
+        show(console, diff_table(*found))
+        show(console, curves_table(*found, root=root))
         return
     # Runs a Temporal visibility query selects (`--where`) narrow the listing to these ids.
     run_ids: Optional[List[str]] = None
@@ -482,7 +634,7 @@ def runs(
 
         run_ids = [r.run_id for r in _checked_query(where, Client.connect().find, limit=1000)]
     records = reg.runs(experiment=experiment, status=status, run_ids=run_ids, sort=sort, descending=not ascending, limit=limit)
-    console.print(runs_table(records, f"runs in {reg.url}" + (f" where {where}" if where else "")))
+    show(console, runs_table(records, f"runs in {reg.url}" + (f" where {where}" if where else "")))
     unlisted = sorted(set(run_ids) - {r.run_id for r in reg.runs(run_ids=run_ids)}) if run_ids else []
     if unlisted:  # started where this registry is not written (another state folder or database)
         console.print(f"[yellow]{len(unlisted)} run(s) the query selects are not in the registry[/yellow]: {', '.join(unlisted)}")
@@ -550,14 +702,14 @@ def sweep(
     """Validate SPEC and every trial config, start the sweep, and follow it."""
     from .client import Client
     from .sweeps import prepare_sweep
-    from .sweeps_view import summary_view, watch_sweep
+    from .sweeps_view import show_summary, watch_sweep
 
     prepared = _exit_on_config_error(prepare_sweep, spec, overrides or [])  # before any connection
     handle = Client.connect().sweep(prepared)
     console.print(f"started sweep [bold]{handle.sweep_id}[/bold]")
     if detach:
         _flush_and_exit(0)
-    console.print(summary_view(watch_sweep(handle, console)))
+    show_summary(console, watch_sweep(handle, console))
     _flush_and_exit(0)
 
 
@@ -569,19 +721,20 @@ def sweeps(
 ) -> None:
     """Sweeps with their status and best trial (from the run registry); with SWEEP_ID, its trials."""
     from .sweeps_view import registry_trials_table, sweeps_table
+    from .tables import show
 
     if sweep_id is not None:
         _checked_id(sweep_id, "sweep id")
     reg = _open_registry(url, state_dir)
     if sweep_id is None:
         found = reg.sweeps()
-        console.print(sweeps_table(found, {s.sweep_id: reg.trials(s.sweep_id) for s in found}, f"sweeps in {reg.url}"))
+        show(console, sweeps_table(found, {s.sweep_id: reg.trials(s.sweep_id) for s in found}, f"sweeps in {reg.url}"))
         return
     record = reg.sweep(sweep_id)
     if record is None:
         typer.secho(f"no sweep {sweep_id!r} in the run registry {reg.url} (see `ratchet sweeps`)", err=True, fg="red")
         raise typer.Exit(2)
-    console.print(registry_trials_table(record, reg.trials(sweep_id)))
+    show(console, registry_trials_table(record, reg.trials(sweep_id)))
 
 
 def _sweep_signal(sweep_id: str, what: str) -> None:
@@ -647,13 +800,15 @@ def schedule_list() -> None:
 
     from .client import Client
     from .schedules import list_schedules
+    from .tables import fact_column, show, text_column
 
     table = Table(title="schedules")
-    for col in ("schedule", "action", "when", "next", "recent", "paused"):
-        table.add_column(col)
+    fact_column(table, "schedule")
+    for col in ("action", "when", "next", "recent", "paused"):  # `recent`: run ids, wrapped only between them
+        text_column(table, col)
     for row in list_schedules(Client.connect()):
         table.add_row(row.schedule_id, row.kind, row.when, row.next_run[:19], ", ".join(row.recent[-3:]), "yes" if row.paused else "no")
-    console.print(table)
+    show(console, table)
     _flush_and_exit(0)
 
 
@@ -698,13 +853,16 @@ def plot(
 
 def main() -> None:
     logging.basicConfig(level=os.environ.get("RATCHET_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from .temporal_connection import TemporalConnectionError
-
     try:
         app()
-    except TemporalConnectionError as exc:  # a RATCHET_TEMPORAL_* variable: its name and the fix, no traceback
-        err.print(f"[red]Temporal connection settings: {exc}[/red]", highlight=False, soft_wrap=True)
-        sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - a situation a user caused: one line (src/ratchet/platform/cli_errors.py)
+        from .cli_errors import debug, explain
+
+        said = None if debug() else explain(exc)
+        if said is None:
+            raise  # a bug: its traceback
+        typer.secho(said[0], err=True, fg="red")
+        _flush_and_exit(said[1])  # a Temporal client may have been made
 
 
 if __name__ == "__main__":

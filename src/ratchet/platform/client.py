@@ -40,6 +40,20 @@ class RunIsLive(RuntimeError):
     """A resume from a checkpoint asked of a run whose workflow is still open."""
 
 
+class NothingToResume(ValueError):
+    """A resume from a checkpoint that would train no step: the run already reached
+    loop.steps. Refused before any worker is built; the message names how to train further."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a resume from a checkpoint continues from."""
+
+    checkpoint: str  # step-00000029
+    step: int  # the run state's next step
+    policy_version: int
+
+
 class LiveChangeRefused(ValueError):
     """The run refused a live change (`RunHandle.set`): a key that cannot change live, a
     value its config field refuses, or a run that is not training any more."""
@@ -101,6 +115,8 @@ def stored_config_with(run_id: str, root: str | None, overrides: Sequence[str]):
 class RunHandle(WorkflowHandle):
     client: "Client"
     run_id: str
+    # Set by Client.resume from a checkpoint: which one it chose (`ratchet resume` prints it).
+    resumed_from: ResumePoint | None = None
 
     summary_type: ClassVar[type] = RunSummary
     progress_type: ClassVar[type] = Progress
@@ -279,11 +295,15 @@ class Client:
         if not checkpoints.verify(info.name):
             raise ValueError(f"checkpoint {info.name!r} of run {run_id!r} is corrupted; pick another (ratchet checkpoints {run_id})")
         state = read_run_state(run_store.get_bytes(RunLayout.checkpoint(info.name, RunLayout.RUN_STATE)))
+        self._check_something_to_train(run_id, info.name, state, cfg.loop.steps, named=checkpoint is not None)
         if "algorithm.kl.coef" in changed:
             state.kl_coef = cfg.algorithm.kl.coef  # the saved (possibly adapted) one would override it
         state.live.values = {k: v for k, v in state.live.values.items() if k not in changed}  # the override wins
         newer = [c for c in checkpoints.list() if c.step is not None and info.step is not None and c.step > info.step]
-        inp = TrainingInput(run_id=run_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg), resume=state, restore=True)
+        inp = TrainingInput(
+            run_id=run_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg), resume=state, restore=True,
+            restore_from=info.name,
+        )  # fmt: skip
         self._start_run(inp)
         # Newer checkpoints belong to the continuation being abandoned: recovery in the
         # resumed run must not restore one of them. Retired (not deleted), and only now that
@@ -291,7 +311,40 @@ class Client:
         # One the resumed run has meanwhile written again under the same name is its own.
         for old in newer:
             _retire_unless_rewritten(checkpoints, old)
-        return RunHandle(self, run_id)
+        return RunHandle(self, run_id, resumed_from=ResumePoint(info.name, state.next_step, state.policy_version))
+
+    def _check_something_to_train(self, run_id: str, name: str, state: RunState, steps: int, *, named: bool) -> None:
+        """NothingToResume when the resume would rebuild the workers only to train no step:
+        the run completed all its loop.steps (and no override raised it), or the checkpoint
+        is already at loop.steps. A run that completed with its last step after its latest
+        checkpoint counts as completed too, unless a checkpoint was named."""
+        done = None if named else self._completed_steps(run_id)
+        if done is not None and done >= steps:
+            raise NothingToResume(
+                f"run {run_id} already completed all {done} steps: nothing to resume; train further with "
+                f"`ratchet fork {run_id} --checkpoint {name} loop.steps={2 * done}`"
+            )
+        if state.next_step >= steps:
+            again = f" --checkpoint {name}" if named else ""
+            raise NothingToResume(
+                f"checkpoint {name} of run {run_id} is at step {state.next_step} and loop.steps is {steps}: nothing to "
+                f"resume; train further with `ratchet resume {run_id}{again} loop.steps={2 * state.next_step}`"
+            )
+
+    def _completed_steps(self, run_id: str) -> int | None:
+        """The steps of the run's workflow if it completed all of them (not stopped early,
+        not failed or cancelled), else None (also when Temporal no longer knows it)."""
+        from temporalio.client import WorkflowExecutionStatus
+        from temporalio.service import RPCError
+
+        handle = self.get(run_id)._handle()
+        try:
+            if self._run(handle.describe()).status != WorkflowExecutionStatus.COMPLETED:
+                return None
+            summary = self._run(handle.result())
+        except RPCError:
+            return None
+        return None if summary.stopped else summary.steps
 
     def fork(
         self, run_id: str, checkpoint: str, overrides: Sequence[str] = (), *, root: str | None = None, new_run_id: str | None = None

@@ -27,7 +27,8 @@ from .client import RECIPE_PATH as RECIPE
 from .client import Client
 from .plot import plot_or_reason
 from .services import ServiceSettings, mlflow_ui_url, ray_address, ray_auth_env, temporal_address, up
-from .watch import summary_table, watch
+from .tables import show
+from .watch import run_link, summary_table, watch
 
 
 
@@ -82,22 +83,24 @@ def run_demo(settings: ServiceSettings, overrides: Sequence[str], console: Conso
     console.print("[bold]2/4[/bold] starting Temporal (dev server) and Ray")
     up(settings)
     ui_url = f"http://{settings.host}:{settings.temporal_ui_port}"
-    console.print(f"      Temporal UI: {ui_url}")
+    console.print(f"      Temporal UI: {ui_url}", soft_wrap=True)
     if mlflow_ui_url(settings):
-        console.print(f"      MLflow UI: {mlflow_ui_url(settings)} (starts in the background; `ratchet status` says when it answers)")
+        console.print(f"      MLflow UI: {mlflow_ui_url(settings)} (starts in the background; `ratchet status` says when it answers)", soft_wrap=True)
     console.print("[bold]3/4[/bold] starting a worker")
     worker = start_worker_process(settings)
     try:
         client = Client.connect(temporal_address(settings))
         handle = client.submit(RECIPE, [*paths, *overrides])
-        console.print(f"[bold]4/4[/bold] training: run [bold]{handle.run_id}[/bold]  ({ui_url}/namespaces/default/workflows/{handle.run_id})")
+        console.print(f"[bold]4/4[/bold] training: run [bold]{handle.run_id}[/bold]", soft_wrap=True)
+        # Links and paths are printed whole (soft_wrap): a line break inside one breaks it.
+        console.print(f"      {run_link(ui_url, handle.run_id)}", soft_wrap=True)
         summary = watch(handle, console)
     finally:
         stop_worker_process(worker)
     wall = time.perf_counter() - t0
-    console.print(summary_table(summary, wall, ui_url))
+    show(console, summary_table(summary, wall, ui_url))
     console.print("services are still up for browsing; stop them with `ratchet down`")
-    console.print(f"plot: {plot_or_reason([summary.run_id], state / 'plots' / f'{summary.run_id}.png', str(state / 'runs'))}")
+    console.print(f"plot: {plot_or_reason([summary.run_id], state / 'plots' / f'{summary.run_id}.png', str(state / 'runs'))}", soft_wrap=True)
     line = {
         "run_id": summary.run_id,
         "steps": summary.steps,

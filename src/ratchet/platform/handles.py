@@ -25,8 +25,13 @@ class WorkflowHandle:
     def _handle(self):
         return self.client._temporal.get_workflow_handle(self.workflow_id, result_type=self.summary_type)
 
-    def progress(self) -> Any:
-        return self.client._run(self._handle().query("progress", result_type=self.progress_type))
+    def progress(self, timeout: float | None = None) -> Any:
+        """The workflow's progress query; `timeout`: seconds to wait for a worker to answer
+        (an RPCError after them; None: the SDK's default, about 30 s)."""
+        from datetime import timedelta
+
+        rpc = {"rpc_timeout": timedelta(seconds=timeout)} if timeout else {}
+        return self.client._run(self._handle().query("progress", result_type=self.progress_type, **rpc))
 
     def result(self, timeout: float | None = None) -> Any:
         coro = self._handle().result()

@@ -43,7 +43,10 @@ def _ray_command(index: int, cpus: float, host: str) -> list[str]:
 
 
 def _start_worker(index: int) -> subprocess.Popen:
+    # A worker that finds Temporal down waits for it rather than exiting at once: this
+    # supervisor restarts a worker that exits, which would otherwise loop once a second.
     env = dict(os.environ, RATCHET_WORKER_IDENTITY=f"{worker_identity_prefix(index)}{os.getpid()}")
+    env.setdefault("RATCHET_WORKER_WAIT_S", "60")
     return subprocess.Popen([sys.executable, "-m", "ratchet.platform.worker"], env=env, stdin=subprocess.DEVNULL)
 
 

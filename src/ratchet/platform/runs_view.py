@@ -15,6 +15,8 @@ from rich.table import Table
 
 from ratchet.registry.records import RunRecord
 
+from .tables import fact_column, text_column
+
 # Metrics compared side by side by `ratchet runs --compare`.
 CURVE_METRICS = ("reward_mean", "eval_reward")
 
@@ -36,11 +38,13 @@ def _num(value: float | None, digits: int = 3) -> str:
 
 
 def runs_table(records: Sequence[RunRecord], title: str) -> Table:
+    """Print it with `tables.show`: ids, experiments, parents and sweeps are never cut."""
     table = Table(title=title)
     for col in ("run id", "experiment", "algorithm", "status", "step", "reward", "eval reward", "parent", "sweep"):
-        table.add_column(
-            col, justify="right" if col in ("step", "reward", "eval reward") else "left", no_wrap=col in ("run id", "status")
-        )
+        if col in ("step", "reward", "eval reward", "algorithm"):
+            text_column(table, col, justify="right" if col != "algorithm" else "left")
+        else:
+            fact_column(table, col)
     colors = {"completed": "green", "failed": "red", "cancelled": "yellow", "stopped": "yellow", "running": "cyan"}
     for r in records:
         parent = f"{r.parent_run_id}@{r.parent_checkpoint}" if r.parent_run_id and r.parent_checkpoint else (r.parent_run_id or "")
@@ -88,9 +92,8 @@ def _show(value: Any) -> str:
 
 def diff_table(a: RunRecord, b: RunRecord) -> Table:
     table = Table(title=f"config: {a.run_id} vs {b.run_id}")
-    table.add_column("key")
-    table.add_column(a.run_id)
-    table.add_column(b.run_id)
+    for col in ("key", a.run_id, b.run_id):  # keys and values (paths among them) stay whole
+        fact_column(table, col)
     rows = config_diff(a.config, b.config)
     for key, va, vb in rows:
         table.add_row(key, _show(va), _show(vb))
@@ -132,10 +135,10 @@ def curve_rows(curves: Sequence[list[dict[str, Any]]], metrics: Iterable[str] = 
 
 def curves_table(a: RunRecord, b: RunRecord, root: str | None = None, max_rows: int = 25) -> Table:
     table = Table(title=f"curves: {a.run_id} vs {b.run_id} (metrics.jsonl)")
-    table.add_column("step", justify="right")
+    text_column(table, "step", justify="right")
     for m in CURVE_METRICS:
         for r in (a, b):
-            table.add_column(f"{m} {r.run_id}", justify="right")
+            text_column(table, f"{m} {r.run_id}", justify="right")
     rows = curve_rows([read_metrics(a, root), read_metrics(b, root)], CURVE_METRICS, max_rows)
     for row in rows:
         table.add_row(*row)

@@ -11,6 +11,8 @@ from rich.table import Table
 
 from ratchet.sweep_types import SweepSummary, TrialResult
 
+from .tables import fact_column, show, text_column
+
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
@@ -41,8 +43,10 @@ def watch_sweep(handle, console: Console, every: float = 1.0) -> SweepSummary:
 
 def trials_table(trials: Sequence[TrialResult], title: str, best: TrialResult | None = None) -> Table:
     table = Table(title=title)
-    for col in ("trial", "run", "state", "objective", "steps", "pruned at", "params"):
-        table.add_column(col)
+    text_column(table, "trial")
+    fact_column(table, "run")
+    for col in ("state", "objective", "steps", "pruned at", "params"):
+        text_column(table, col)
     for r in trials:
         mark = " [green]best[/green]" if best is not None and r.trial_index == best.trial_index else ""
         table.add_row(
@@ -59,18 +63,19 @@ def summary_view(summary: SweepSummary) -> Group:
     return Group(head, trials_table(summary.trials, "trials", best))
 
 
-def _id_column(table: Table, name: str, ids: Sequence[str]) -> None:
-    """A column of ids, never cut short: an id is what a user copies into the next command
-    (a narrow terminal, or none at all under CI, narrows the other columns instead)."""
-    table.add_column(name, no_wrap=True, min_width=max((len(i) for i in ids), default=len(name)))
+def show_summary(console: Console, summary: SweepSummary) -> None:
+    """`summary_view` printed so that no run id or parameter name is cut (`tables.show`)."""
+    head, table = summary_view(summary).renderables
+    console.print(head, soft_wrap=True)
+    show(console, table)
 
 
 def sweeps_table(sweeps: Sequence[Any], trials_by_sweep: dict[str, Sequence[Any]], title: str) -> Table:
     """Sweeps from the registry (SweepRecord) with their trial counts and best trial."""
     table = Table(title=title)
-    _id_column(table, "sweep", [s.sweep_id for s in sweeps])
+    fact_column(table, "sweep")  # ids a user copies into the next command: never cut (print with tables.show)
     for col in ("status", "trials", "done", "pruned", "objective", "best trial", "best value", "created"):
-        table.add_column(col)
+        text_column(table, col)
     for s in sweeps:
         trials = trials_by_sweep.get(s.sweep_id, [])
         best = next((t for t in trials if t.trial_index == s.best_trial_index), None)
@@ -86,10 +91,10 @@ def sweeps_table(sweeps: Sequence[Any], trials_by_sweep: dict[str, Sequence[Any]
 def registry_trials_table(sweep: Any, trials: Sequence[Any]) -> Table:
     """One sweep's trials from the registry (TrialRecord)."""
     table = Table(title=f"sweep {sweep.sweep_id} ({sweep.status}); objective {sweep.objective} ({sweep.direction})")
-    table.add_column("trial")
-    _id_column(table, "run", [t.run_id or "-" for t in trials])
+    text_column(table, "trial")
+    fact_column(table, "run")
     for col in ("state", "objective", "steps", "params"):
-        table.add_column(col)
+        text_column(table, col)
     for t in trials:
         mark = " [green]best[/green]" if t.trial_index == sweep.best_trial_index else ""
         table.add_row(f"{t.trial_index}{mark}", t.run_id or "-", t.state, _fmt(t.objective_value), str(t.last_reported_step or "-"), _params(t.params))

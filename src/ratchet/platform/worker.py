@@ -4,6 +4,27 @@ It is also a Ray driver: activities reach the run's actors through the Ray clust
 `ray_address`. SIGTERM and SIGINT shut it down gracefully (running activities finish,
 the workflow task is handed back), which avoids the sticky-queue stall that a killed
 worker causes.
+
+What it says, and when it gives up (one line each, on the `ratchet.platform.worker.status`
+logger, which `ratchet worker` prints plainly):
+
+- At start-up it checks that the Temporal frontend and the Ray head's GCS accept
+  connections, before joining either. One that does not is named with the command that
+  starts it, and the worker exits 1 at once (`ServiceUnreachable`): a user who forgot
+  `ratchet up` learns it in a second, and a supervisor (systemd, Kubernetes, compose)
+  restarts it as it restarts any failed process. `--wait-s` / RATCHET_WORKER_WAIT_S
+  makes it wait that long for them first, for a supervisor that starts the worker
+  together with the services.
+- Once serving it prints `worker ready: ...`.
+- When the Temporal server goes away (`ratchet down`, a restart), it says so once and
+  retries quietly (the SDK's per-second gRPC retry warnings are held back meanwhile); a
+  server back within RATCHET_WORKER_LOST_SERVER_S (default 120 s, `inf`: forever) is
+  said once too and the worker carries on, which covers a server restart. Past that the
+  worker says so and exits 1: after `ratchet down` no worker lingers in a terminal, and
+  under a supervisor it is restarted and checks the services as at start-up.
+- The Ray head is watched the same way, with a grace 5 s shorter than Ray's own (a
+  driver whose GCS is gone 60 s is ended by Ray, with a C++ log line): the worker's line
+  is the last one, and its exit code 1.
 """
 
 from __future__ import annotations
@@ -13,18 +34,23 @@ import logging
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ratchet.types import TASK_QUEUE
 
+from .reachability import ServiceUnreachable, check_services, host_port, tcp_unreachable_reason, temporal_unreachable_reason
 from .services import ServiceSettings, ray_address, ray_auth_env, temporal_address
 from .services.ray_auth import record_applied
 from .temporal_connection import connect_options, namespace_from_env
 from .temporal_connection import from_env as temporal_from_env
 
 log = logging.getLogger(__name__)
+# The few lines a user of `ratchet worker` reads (ready, server lost, back, giving up):
+# the CLI prints this logger plainly, a log file gets them with the rest.
+status_log = logging.getLogger(f"{__name__}.status")
 
 
 def default_temporal_address() -> str:
@@ -50,6 +76,12 @@ class WorkerSettings:
     identity: str | None = None
     # How often the actors of closed runs are swept (besides at start-up); 0: only then.
     sweep_every_seconds: float = 300.0
+    # At start-up: how long to wait for an unreachable Temporal server or Ray head before
+    # exiting 1 (0: exit at once, naming it). For a supervisor that starts all at once.
+    wait_s: float = 0.0
+    # Once serving: how long a lost Temporal server may stay away (retried quietly) before
+    # the worker exits 1; inf: forever. Long enough for a server restart.
+    lost_server_s: float = 120.0
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
@@ -63,6 +95,8 @@ class WorkerSettings:
             ray_auth_env=ray_auth_env(ServiceSettings.from_env()),
             identity=env.get("RATCHET_WORKER_IDENTITY") or None,
             sweep_every_seconds=float(env.get("RATCHET_SWEEP_EVERY_S", "300")),
+            wait_s=float(env.get("RATCHET_WORKER_WAIT_S", "0")),
+            lost_server_s=float(env.get("RATCHET_WORKER_LOST_SERVER_S", "120")),
         )
 
 
@@ -89,7 +123,33 @@ def connect_ray(address: str, auth_env: dict[str, str] | None = None) -> None:
     import ray
 
     if not ray.is_initialized():
+        _quiet_head_shutdown()
         ray.init(address=address, namespace="ratchet", log_to_driver=False, configure_logging=False)
+
+
+def _quiet_head_shutdown() -> None:
+    """When the Ray head is stopped (`ratchet down`), its autoscaler pushes "The autoscaler
+    failed ... Terminated with signal 15" and a traceback to every driver, which Ray prints
+    on the driver's terminal: for a worker that is an ordinary stop, logged here in one
+    line. Every other error Ray pushes is printed as before. (Ray's driver prints these
+    from `ray._private.worker.print_to_stdstream`; without it, nothing changes.)"""
+    try:
+        import ray._private.worker as ray_worker
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "ratchet_quiet", False):
+        return
+
+    def print_to_stdstream(data, ignore_prefix):
+        text = "\n".join(data.get("lines") or ())
+        if "The autoscaler failed" in text and "Terminated with signal" in text:
+            log.info("the Ray head's autoscaler was stopped (the Ray head is stopping)")
+            return
+        original(data, ignore_prefix)
+
+    print_to_stdstream.ratchet_quiet = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
 
 
 def build_worker(client, settings: WorkerSettings, executor: ThreadPoolExecutor):
@@ -115,23 +175,75 @@ def build_worker(client, settings: WorkerSettings, executor: ThreadPoolExecutor)
     )
 
 
-async def _connect_temporal(client_cls, settings: WorkerSettings, timeout_s: float = 120.0):
-    """Connect, waiting out a Temporal server that is restarting: a worker that a supervisor
-    starts in that moment would otherwise exit and leave its runs without a worker."""
+class _QuietRetries(logging.Filter):
+    """Holds back the SDK core's gRPC retry warnings (one a second per poller while the
+    server is away) while the watchdog has said the server is lost; otherwise lets one
+    through a minute, so that a failure the TCP probe cannot see still shows."""
+
+    def __init__(self, every_s: float = 60.0):
+        super().__init__()
+        self.server_lost = False
+        self.every_s = every_s
+        self._last = float("-inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "retry" not in record.name and "retried" not in record.getMessage():
+            return True
+        if self.server_lost:
+            return False
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        return True
+
+
+def _quiet_runtime(retries: _QuietRetries):
+    """A Temporal runtime whose core logs go through Python logging (the default writes
+    them straight to stderr, where nothing can hold back the retry warnings)."""
+    from temporalio.runtime import LogForwardingConfig, LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
+
+    core_log = logging.getLogger("temporalio.core")
+    core_log.addFilter(retries)
+    return Runtime(
+        telemetry=TelemetryConfig(
+            logging=LoggingConfig(filter=TelemetryFilter(core_level="WARN", other_level="ERROR"), forwarding=LogForwardingConfig(logger=core_log))
+        )
+    )
+
+
+async def _connect_temporal(client_cls, settings: WorkerSettings, timeout_s: float = 120.0, runtime=None):
+    """Connect, waiting out a Temporal server that is restarting (its port open, its
+    namespace not served yet): a worker that a supervisor starts in that moment would
+    otherwise exit and leave its runs without a worker. Said once, not per attempt."""
     from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
     # TLS and API key from the environment, checked before the first attempt: a bad setting
     # is a ValueError naming the variable, never retried as an unreachable server.
     options = connect_options(settings.namespace)
-    async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type(RuntimeError),
-        stop=stop_after_delay(timeout_s),
-        wait=wait_exponential(multiplier=0.5, max=5.0),
-        reraise=True,
-        before_sleep=lambda state: log.warning("Temporal at %s not reachable yet; retrying", settings.temporal_address),
-    ):
-        with attempt:
-            return await client_cls.connect(settings.temporal_address, **options)
+    if runtime is not None:
+        options["runtime"] = runtime
+    said = []
+
+    def before_sleep(state) -> None:
+        if not said:
+            status_log.warning("Temporal at %s does not answer yet; retrying for up to %g s", settings.temporal_address, timeout_s)
+            said.append(True)
+
+    try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(RuntimeError),
+            stop=stop_after_delay(timeout_s),
+            wait=wait_exponential(multiplier=0.5, max=5.0),
+            reraise=True,
+            before_sleep=before_sleep,
+        ):
+            with attempt:
+                return await client_cls.connect(settings.temporal_address, **options)
+    except RuntimeError as exc:
+        if isinstance(exc, ServiceUnreachable):
+            raise
+        raise ServiceUnreachable.temporal(settings.temporal_address, temporal_unreachable_reason(str(exc))) from exc
 
 
 async def _sweep_leftover_actors(client) -> None:
@@ -148,14 +260,19 @@ async def _sweep_leftover_actors(client) -> None:
         log.info("released the actors of closed runs: %s", ", ".join(sorted(released)))
 
 
-async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> None:
-    """Run until `stop` is set or the process gets SIGTERM/SIGINT."""
+async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> int:
+    """Run until `stop` is set or the process gets SIGTERM/SIGINT (0), or the Temporal
+    server stays unreachable longer than `settings.lost_server_s` (1). ServiceUnreachable
+    at start-up when the server or the Ray head accepts no connection."""
     from temporalio.client import Client
 
     # A bad TLS or API-key variable fails here, before Ray is joined; the line never holds the key.
     log.info("Temporal at %s: %s", settings.temporal_address, temporal_from_env(namespace=settings.namespace).describe())
+    # Before joining Ray: ray.init on an address with no GCS retries with a warning a second.
+    await asyncio.get_running_loop().run_in_executor(None, check_services, settings.temporal_address, settings.ray_address, settings.wait_s)
     connect_ray(settings.ray_address, settings.ray_auth_env)
-    client = await _connect_temporal(Client, settings)
+    retries = _QuietRetries()
+    client = await _connect_temporal(Client, settings, runtime=_quiet_runtime(retries))
     await _sweep_leftover_actors(client)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -164,16 +281,89 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
-    with ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity") as executor:
-        worker = build_worker(client, settings, executor)
-        log.info(
-            "worker on %s (queue %s), Ray at %s, pid %d", settings.temporal_address, settings.task_queue, settings.ray_address, os.getpid()
-        )
-        async with worker:
-            sweeping = asyncio.ensure_future(_sweep_every(client, settings.sweep_every_seconds, stop))
-            await stop.wait()
-            log.info("shutting down")
-            sweeping.cancel()
+    executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
+    worker = build_worker(client, settings, executor)
+    log.info("worker on %s (queue %s), Ray at %s, pid %d", settings.temporal_address, settings.task_queue, settings.ray_address, os.getpid())
+    running = asyncio.ensure_future(worker.run())
+    namespace = "" if settings.namespace == "default" else f" (namespace {settings.namespace})"
+    status_log.info(
+        "worker ready: task queue '%s' on %s%s, Ray %s (Ctrl-C stops it)",
+        settings.task_queue, settings.temporal_address, namespace, settings.ray_address,
+    )  # fmt: skip
+    sweeping = asyncio.ensure_future(_sweep_every(client, settings.sweep_every_seconds, stop))
+    watching = asyncio.ensure_future(_watch_server(settings, retries, stop))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    sweeping.cancel()
+    if watching.done() and watching.result():
+        # The server is gone: a graceful shutdown would wait on calls to it, and the
+        # activity threads on heartbeats to it. The caller leaves the process without
+        # waiting either (run_worker: os._exit).
+        executor.shutdown(wait=False, cancel_futures=True)
+        return 1
+    watching.cancel()
+    try:
+        if running.done():  # the SDK's worker failed: its error, as `async with worker` raised it
+            stopping.cancel()
+            running.result()
+        log.info("shutting down")
+        await worker.shutdown()
+        await running
+    finally:
+        executor.shutdown(wait=True)
+    return 0
+
+
+def _ray_grace_s(lost_server_s: float) -> float:
+    """How long a lost Ray head is waited for: a few seconds less than Ray gives a driver
+    before it ends the process itself (gcs_rpc_server_reconnect_timeout_s, 60 s), so that
+    the worker's own line is the last one, and never longer than a lost Temporal server."""
+    try:  # Ray reads its system config from RAY_<name> variables
+        limit = float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", "60"))
+    except ValueError:
+        limit = 60.0
+    return min(lost_server_s, max(limit - 5.0, 1.0))
+
+
+async def _watch_server(
+    settings: WorkerSettings, retries: _QuietRetries, stop: asyncio.Event, every_s: float = 2.0, ray_grace_s: float | None = None
+) -> bool:
+    """Probe the Temporal frontend and the Ray GCS every `every_s`: say once when one goes
+    and once when it comes back, hold back the SDK's retry warnings while Temporal is
+    away, and when one stays away past its grace (`settings.lost_server_s`; Ray:
+    `_ray_grace_s`) say so and set `stop` (True: the worker should exit 1)."""
+    ray_grace_s = _ray_grace_s(settings.lost_server_s) if ray_grace_s is None else ray_grace_s
+    watched = [("Temporal server", settings.temporal_address, settings.lost_server_s)]
+    if host_port(settings.ray_address or "") is not None:
+        watched.append(("Ray head (GCS)", settings.ray_address, ray_grace_s))
+    lost_at: dict[str, float] = {}
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=every_s)
+            return False
+        except asyncio.TimeoutError:
+            pass
+        for service, address, grace in watched:
+            reason = await tcp_unreachable_reason(address)
+            now = time.monotonic()
+            if reason is None:
+                if service in lost_at:
+                    status_log.warning("the %s at %s is reachable again after %.0f s: serving", service, address, now - lost_at.pop(service))
+                    retries.server_lost = "Temporal server" in lost_at
+                continue
+            if service not in lost_at:
+                lost_at[service] = now
+                retries.server_lost = "Temporal server" in lost_at
+                until = "for as long as it takes" if grace == float("inf") else f"for up to {grace:g} s, then exits"
+                status_log.warning("lost the %s at %s (%s): the worker retries quietly %s", service, address, reason, until)
+            elif now - lost_at[service] >= grace:
+                status_log.error(
+                    "the %s at %s has been unreachable for %.0f s: the worker exits; start the services (`ratchet up`), "
+                    "then `ratchet worker`", service, address, now - lost_at[service],
+                )  # fmt: skip
+                stop.set()
+                return True
+    return False
 
 
 async def _sweep_every(client, seconds: float, stop: asyncio.Event) -> None:
@@ -188,16 +378,37 @@ async def _sweep_every(client, seconds: float, stop: asyncio.Event) -> None:
             await _sweep_leftover_actors(client)
 
 
+def show_status(stream) -> None:
+    """Write the worker's status lines (ready, server lost, back, giving up) to `stream` as
+    they are, without the log format: what `ratchet worker` shows a user."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    status_log.addHandler(handler)
+    status_log.setLevel(logging.INFO)
+    status_log.propagate = False
+
+
 def run_worker(settings: WorkerSettings) -> None:
+    """Serve until stopped, then leave the process with serve's exit code. A service that
+    is not reachable at start-up raises ServiceUnreachable (nothing was started)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(settings))
+    # Not asyncio.run: after a lost server, its clean-up would wait on the SDK's tasks,
+    # which wait on the server; the process ends here either way.
+    loop = asyncio.new_event_loop()
+    code = loop.run_until_complete(serve(settings))
     # The SDK can crash in PyGILState_Release at interpreter exit; leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)
 
 
 def main() -> None:
-    run_worker(WorkerSettings.from_env())
+    try:
+        run_worker(WorkerSettings.from_env())
+    except ServiceUnreachable as exc:
+        log.error("%s", exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError, FailureError
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+from ratchet.admission_types import AdmitInput, AdmitOutput
 from ratchet.types import (
     BatchRef,
     CheckpointInput,
@@ -64,6 +65,7 @@ from ratchet.types import (
     ReleaseInput,
     ReleaseOutput,
     RolloutInput,
+    RunRef,
     RunState,
     RunSummary,
     ScoredBatch,
@@ -94,6 +96,13 @@ FUSED_SYNC_STEP = "sync-step-activity"
 SEARCH_ATTRIBUTES = "search-attributes"
 # A `drain` signal moves the run off a node at the next step boundary (checkpoint first).
 DRAIN_NODES = "drain-nodes"
+# A stopped run checkpoints the step it stopped at, so a resume continues from there.
+CHECKPOINT_ON_STOP = "checkpoint-on-stop"
+# A run waits in the cluster's admission queue for all its CPUs at once before it reserves
+# any (`admit_run`); runs started before it replay without.
+ADMISSION_QUEUE = "admission-queue"
+# One `admit_run` attempt answers within 4 minutes (a change of place, or still queued).
+ADMIT_TIMEOUT = timedelta(minutes=10)
 
 
 @workflow.defn(name="TrainingWorkflow")
@@ -120,6 +129,11 @@ class TrainingWorkflow:
         self._recording: asyncio.Future | None = None  # the latest step's metrics line, being written
         self._search_attributes = False  # the namespace has them: upsert (TrainingInput.search_attributes)
         self._draining: list[str] = []  # Ray node ids about to go (`drain`), not yet moved off
+        self._left_queue = False  # stopped while it waited in the admission queue: nothing was built
+        # What the run does before its first step, in words ("warm-up (10 steps)", "starting
+        # workers", "restoring from step-00000029"); the progress query shows it as the phase.
+        self._startup = ""
+        self._checkpointed_step: int | None = None  # the step of the latest checkpoint taken or restored
 
     # -- signals and queries -------------------------------------------------------------
 
@@ -169,7 +183,7 @@ class TrainingWorkflow:
         s = self._state
         return Progress(
             run_id=self._run_id,
-            phase="paused" if self._held_at_boundary else self._phase,
+            phase="paused" if self._held_at_boundary else (self._startup or self._phase),
             step=s.next_step if s else 0,
             total_steps=self._plan.steps if self._plan else 0,
             policy_version=s.policy_version if s else 0,
@@ -178,6 +192,7 @@ class TrainingWorkflow:
             eval_rewards=dict(s.eval_rewards) if s else {},
             paused=self._paused,
             stopping=self._stopping,
+            activity=self._phase,
         )
 
     @workflow.query
@@ -227,13 +242,21 @@ class TrainingWorkflow:
         if inp.resume is None:
             self._state = await self._begin(inp)
         elif inp.restore:
+            # From the first query on, the progress shows the step and version being restored.
+            self._state = inp.resume
+            self._startup = f"restoring from {inp.restore_from or f'step {inp.resume.next_step}'}"
             self._state = await self._restore(inp)
         else:
             self._state = inp.resume
+        if self._left_queue:
+            return await self._stopped_in_queue(self._state)
+        self._startup = ""
         state, plan = self._state, self._plan
         loop = getattr(self, LOOP_MODES[plan.mode].method)
         can = await loop(state, plan)
         await self._records_written()
+        if self._stop_needs_checkpoint(state, plan) and workflow.patched(CHECKPOINT_ON_STOP):
+            await self._checkpoint(state)
         if can:
             self._phase = "continuing"
             self._live.apply(state)  # a change not yet applied travels in the state
@@ -260,6 +283,18 @@ class TrainingWorkflow:
             dropped_samples=state.dropped_samples,
         )
 
+    def _stop_needs_checkpoint(self, state: RunState, plan: LoopPlan) -> bool:
+        """A run stopped between two checkpoints (say at step 29 of every 10) checkpoints that
+        step before it exports and completes: a resume then goes on from 29, not from 20.
+        Not when checkpoints are off, nothing was trained, or the step has its checkpoint."""
+        return (
+            self._stopping
+            and plan.checkpoint_every > 0
+            and 0 < state.next_step < plan.steps
+            and not sched.checkpoint_due(plan, state.next_step)
+            and self._checkpointed_step != state.next_step
+        )
+
     async def _release_actors(self, cause: BaseException) -> None:
         """Kill the run's actors; a failure here is logged, the run's own error is the one raised."""
         try:
@@ -268,9 +303,81 @@ class TrainingWorkflow:
         except Exception:
             workflow.logger.warning("run %s: releasing its actors after %r failed", self._run_id, cause, exc_info=True)
 
+    async def _admitted(self, run: RunRef) -> bool:
+        """Wait in the cluster's admission queue until the run is granted every CPU and GPU
+        it needs at once (src/ratchet/workers/actors/admission.py); meanwhile the progress
+        shows its place ("queued: waiting for 2 CPUs; 1 run ahead"). Each `admit_run`
+        attempt answers when the place changes. False when a stop comes first: the run
+        leaves the queue (the attempt is cancelled, which gives up its place) having built
+        nothing."""
+        before, status, queued_at = self._startup, "", 0.0
+        while not self._stopping:
+            self._phase = "admit_run"
+            asking = asyncio.ensure_future(
+                workflow.execute_activity(
+                    "admit_run",
+                    AdmitInput(run, status, queued_at),
+                    result_type=AdmitOutput,
+                    start_to_close_timeout=ADMIT_TIMEOUT,
+                    heartbeat_timeout=timedelta(seconds=self._plan.heartbeat_timeout_s),
+                    retry_policy=RETRY,
+                    # A stop waits until the attempt has left the queue.
+                    cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+                    summary=f"wait in the admission queue{': ' + status if status else ''}",
+                )
+            )
+            try:
+                await workflow.wait_condition(lambda: asking.done() or self._stopping)
+            except asyncio.CancelledError:
+                asking.cancel()  # the run is cancelled: release_run follows
+                raise
+            if self._stopping:
+                if not asking.done():
+                    asking.cancel()
+                    try:
+                        await asking
+                    except (asyncio.CancelledError, ActivityError):
+                        pass  # cancelled, as asked
+                break  # an admission in the same moment is released with the run
+            out: AdmitOutput = asking.result()
+            if out.admitted:
+                self._startup = before
+                return True
+            status, queued_at = out.status, out.queued_at
+            self._startup = f"queued: {status}"
+        self._left_queue = True
+        return False
+
+    async def _stopped_in_queue(self, state: RunState) -> RunSummary:
+        """A stop while the run waited for the cluster: it built nothing and exports
+        nothing; its place in the queue (or a grant given in the same moment) is released."""
+        await self._call("release_run", ReleaseInput(self._run_id, "stopped"), ReleaseOutput)
+        self._startup = ""
+        self._phase = "stopped"
+        self._show(sa.Status.STOPPED)
+        return RunSummary(
+            run_id=self._run_id,
+            run_uri=state.run.run_uri,
+            steps=state.next_step,
+            policy_version=state.policy_version,
+            final_policy_uri="",
+            reward_first10=sched.mean(state.reward_first10),
+            reward_last10=sched.mean(state.reward_last10),
+            eval_rewards=state.eval_rewards,
+            warmup_loss_first=state.warmup_loss_first,
+            warmup_loss_last=state.warmup_loss_last,
+            stopped=True,
+            dropped_samples=state.dropped_samples,
+        )
+
     async def _begin(self, start: TrainingInput) -> RunState:
+        self._startup = "preparing the run"
         prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config, start.lineage), PrepareOutput)
+        if workflow.patched(ADMISSION_QUEUE) and not await self._admitted(prep.run):
+            return RunState(run=prep.run, kl_coef=start.plan.kl_coef)  # stopped in the queue: _run ends it
+        self._startup = _warmup_label(start.config)
         warm: WarmupOutput = await self._call("warmup", WarmupInput(prep.run), WarmupOutput)
+        self._startup = "starting workers"
         await self._call("start_workers", StartWorkersInput(prep.run, warm.policy_uri), StartWorkersOutput)
         state = RunState(
             run=prep.run,
@@ -280,6 +387,7 @@ class TrainingWorkflow:
         )
         self._state = state
         if start.plan.evaluate:
+            self._startup = "step-0 eval"
             await self._evaluate(state, 0)
         return state
 
@@ -287,8 +395,11 @@ class TrainingWorkflow:
         """A resume from a checkpoint's run state: store the (possibly changed) config and
         rebuild the workers at the checkpoint's version."""
         state = start.resume
+        self._checkpointed_step = state.next_step  # the checkpoint it restores is that step's
         prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config, start.lineage), PrepareOutput)
         state.run = prep.run
+        if workflow.patched(ADMISSION_QUEUE) and not await self._admitted(prep.run):
+            return state  # stopped in the queue: _run ends it
         await self._call("start_workers", StartWorkersInput(prep.run, "", restore_version=state.policy_version), StartWorkersOutput)
         # Older weights than the checkpoint's are not kept: no batch is scheduled on them.
         state.version_floor = state.policy_version
@@ -577,9 +688,11 @@ class TrainingWorkflow:
         """The trainer state now, with the run state a resume carries on from (batches still
         being generated are rolled out again: `scheduling.checkpoint_snapshot`)."""
         snapshot = sched.checkpoint_snapshot(state, self._in_flight, self._in_flight_prompts)
-        return await self._call(
+        saved: CheckpointOutput = await self._call(
             "checkpoint", CheckpointInput(state.run, state.next_step, state.policy_version, snapshot), CheckpointOutput
         )
+        self._checkpointed_step = state.next_step
+        return saved
 
     async def _evaluate(self, state: RunState, step: int) -> None:
         # Evaluation loads the trainer's weights into the rollout engine if it serves older ones.
@@ -673,3 +786,9 @@ class TrainingWorkflow:
         if self._recording is not None:
             await self._recording
             self._recording = None
+
+
+def _warmup_label(config: dict) -> str:
+    """The start-up phase while the warm-up runs: "warm-up (10 steps)"."""
+    steps = (config.get("warmup") or {}).get("steps", 0)
+    return f"warm-up ({steps} steps)" if steps else "warm-up (none)"

@@ -1,11 +1,14 @@
-"""Placing a run's actors: are the CPUs (and GPUs) free, which resource pool's placement
+"""Placing a run's actors: how much the run needs in all, which resource pool's placement
 group takes each actor, and did a node take it?
 
-A run whose CPUs are not free fails at once (`ResourcesUnavailable`, naming who holds
-them), not after waiting for placement forever. With `resources.pools`, each pool is a
-detached Ray placement group named `<run id>/pool-<name>` (config/placement_plan.py says
-which bundle each actor takes); a pool bigger than the cluster, or than any of its nodes,
-is refused before anything is reserved.
+A run is admitted to the cluster whole before it reserves anything (admission.py: it gets
+everything `run_need` says at once, or waits in a visible queue); a run the cluster can
+never hold fails at once (`ResourcesUnavailable`, `check_never_fits`). With
+`resources.pools`, each pool is a detached Ray placement group named `<run id>/pool-<name>`
+(config/placement_plan.py says which bundle each actor takes); a pool bigger than the
+cluster, or than any of its nodes, is refused before anything is reserved.
+`check_resources` (free CPUs now, or fail naming who holds them) still guards the start of
+a run that was not admitted (one started before the queue existed).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import time
 
 import ray
 
-from ratchet.config.placement_plan import PlacementPlan, PoolPlan, Slot
+from ratchet.config.placement_plan import PlacementPlan, PoolPlan, Slot, plan_placement
 from ratchet.config.schema import RunConfig
 from ratchet.errors import ResourcesUnavailable
 
+from . import admission
 from .names import NAMESPACE, Role, actor_name, pool_group_name, role_of, run_actor_names, run_pool_groups, wait_name_free
 from .waiting import Waiter, WaitTimeout
 
@@ -62,6 +66,52 @@ def needed_cpus(cfg: RunConfig) -> float:
     return need + (r.critic_cpus if cfg.uses_critic else 0.0)
 
 
+def run_need(cfg: RunConfig, plan: PlacementPlan | None = None) -> admission.Need:
+    """Everything the run reserves at once: its actors' CPUs, or with resource pools the
+    pools' bundles (CPUs and GPUs). No Ray calls."""
+    plan = plan if plan is not None else plan_placement(cfg)
+    if plan.pools:
+        return admission.Need(sum(p.cpus for p in plan.pools), sum(p.gpus for p in plan.pools))
+    return admission.Need(needed_cpus(cfg))
+
+
+def held_by_run(run_id: str, cfg: RunConfig, plan: PlacementPlan | None = None) -> admission.Need:
+    """What the run's own live actors (or pools) hold in Ray now: a retried or resumed
+    start kills or reuses them, so they count as free for it."""
+    plan = plan if plan is not None else plan_placement(cfg)
+    if plan.pools:
+        own = run_pool_groups(run_id)
+        mine = [p for p in plan.pools if pool_group_name(run_id, p.name) in own]
+        return admission.Need(sum(p.cpus for p in mine), sum(p.gpus for p in mine))
+    per_role = role_cpus(cfg)
+    return admission.Need(sum(per_role.get(role_of(n), 0.0) for n in run_actor_names().get(run_id, [])))
+
+
+_NEED_TEXT = (
+    "resources.trainer_cpus x trainer.world_size + resources.rollout_cpus x rollout.replicas + resources.reward_cpus "
+    "[+ resources.critic_cpus]"
+)
+
+
+def check_never_fits(run_id: str, cfg: RunConfig, plan: PlacementPlan | None = None) -> None:
+    """ResourcesUnavailable at once (waiting in the queue could never help) when the run
+    needs more than the whole cluster has, or pools its nodes cannot hold."""
+    plan = plan if plan is not None else plan_placement(cfg)
+    if plan.pools:
+        _check_pools_fit(run_id, plan)
+        return
+    need, total = needed_cpus(cfg), ray.cluster_resources().get("CPU", 0.0)
+    if need > total + 1e-9:
+        raise ResourcesUnavailable(_too_big(run_id, need, total))
+
+
+def _too_big(run_id: str, need: float, total: float) -> str:
+    return (
+        f"run {run_id} needs {need:g} Ray CPUs ({_NEED_TEXT}) but the cluster has {total:g}; "
+        "lower the resources.* values or add nodes"
+    )
+
+
 def holders_text(run_id: str) -> str:
     others = {k: v for k, v in run_actor_names().items() if k != run_id}
     held = "; ".join(f"run {k}: {', '.join(v)}" for k, v in others.items()) or "no other run's actors"
@@ -94,18 +144,11 @@ def check_resources(
         time.sleep(_POLL_S)
     if need <= free + own + 1e-9:
         return
-    what = (
-        "resources.trainer_cpus x trainer.world_size + resources.rollout_cpus x rollout.replicas + resources.reward_cpus "
-        "[+ resources.critic_cpus]"
-    )
     if need > total:
-        msg = (
-            f"run {run_id} needs {need:g} Ray CPUs ({what}) but the cluster has {total:g}; "
-            "lower the resources.* values or add nodes"
-        )
+        msg = _too_big(run_id, need, total)
     else:
         msg = (
-            f"run {run_id} needs {need:g} Ray CPUs ({what}) but only {free + own:g} of the cluster's {total:g} are "
+            f"run {run_id} needs {need:g} Ray CPUs ({_NEED_TEXT}) but only {free + own:g} of the cluster's {total:g} are "
             f"free ({free:g} free + {own:g} held by this run's own actors); {holders_text(run_id)}"
         )
     raise ResourcesUnavailable(msg)
@@ -116,7 +159,9 @@ def create_actor(
     concurrency: int = 1, groups: dict | None = None, slot: tuple[Slot, PoolPlan] | None = None,
 ):  # fmt: skip
     """The run's detached actor `role`-`rank` (the live one if it exists), once a node
-    has placed it; with `slot`, in that bundle of its pool's placement group."""
+    has placed it; with `slot`, in that bundle of its pool's placement group. The run
+    holds its admission grant first (a rebuilt actor takes back its own CPUs)."""
+    admission.reclaim(run_id, run_need(cfg))
     name = actor_name(run_id, role, rank)
     options = dict(
         name=name,
@@ -194,28 +239,7 @@ def check_pools(run_id: str, plan: PlacementPlan, waiter: Waiter, settle_s: floa
     """Refuse pools the cluster can never hold (more CPUs or GPUs than it has, a bundle no
     node is big enough for, more nodes than it has), then create the placement groups,
     each ready within PLACEMENT_TIMEOUT_S or refused naming who holds the resources."""
-    total = ray.cluster_resources()
-    nodes = _node_totals()
-    for i, pool in enumerate(plan.pools):
-        field = f"resources.pools.{i}"
-        for kind, have, need in (("CPU", total.get("CPU", 0.0), pool.cpus), ("GPU", total.get("GPU", 0.0), pool.gpus)):
-            if need > have + 1e-9:
-                raise ResourcesUnavailable(
-                    f"run {run_id}: pool {pool.name!r} ({field}) needs {need:g} {kind}s but the cluster has {have:g}; lower "
-                    f"{field}.nodes or {field}.{kind.lower()}s_per_node, or add nodes"
-                )
-        bundle = pool.bundles[0]
-        fits = [n for n in nodes if all(n.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())]
-        if not fits:
-            raise ResourcesUnavailable(
-                f"run {run_id}: no node of the cluster has {bundle} for one bundle of pool {pool.name!r}; lower "
-                f"{field}.cpus_per_node / gpus_per_node to what one node has"
-            )
-        if pool.strategy == "STRICT_SPREAD" and len(fits) < len(pool.bundles):
-            raise ResourcesUnavailable(
-                f"run {run_id}: pool {pool.name!r} needs {len(pool.bundles)} nodes ({field}.nodes) but only {len(fits)} "
-                f"node(s) of the cluster can hold {bundle}; lower {field}.nodes or add nodes"
-            )
+    _check_pools_fit(run_id, plan)
     needs = {"CPU": sum(p.cpus for p in plan.pools), "GPU": sum(p.gpus for p in plan.pools)}
     own = run_pool_groups(run_id)
     deadline = time.monotonic() + settle_s
@@ -240,6 +264,32 @@ def check_pools(run_id: str, plan: PlacementPlan, waiter: Waiter, settle_s: floa
         )
     for pool in plan.pools:
         pool_group(run_id, pool, waiter)
+
+
+def _check_pools_fit(run_id: str, plan: PlacementPlan) -> None:
+    """ResourcesUnavailable naming the field when the cluster can never hold a pool."""
+    total = ray.cluster_resources()
+    nodes = _node_totals()
+    for i, pool in enumerate(plan.pools):
+        field = f"resources.pools.{i}"
+        for kind, have, need in (("CPU", total.get("CPU", 0.0), pool.cpus), ("GPU", total.get("GPU", 0.0), pool.gpus)):
+            if need > have + 1e-9:
+                raise ResourcesUnavailable(
+                    f"run {run_id}: pool {pool.name!r} ({field}) needs {need:g} {kind}s but the cluster has {have:g}; lower "
+                    f"{field}.nodes or {field}.{kind.lower()}s_per_node, or add nodes"
+                )
+        bundle = pool.bundles[0]
+        fits = [n for n in nodes if all(n.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())]
+        if not fits:
+            raise ResourcesUnavailable(
+                f"run {run_id}: no node of the cluster has {bundle} for one bundle of pool {pool.name!r}; lower "
+                f"{field}.cpus_per_node / gpus_per_node to what one node has"
+            )
+        if pool.strategy == "STRICT_SPREAD" and len(fits) < len(pool.bundles):
+            raise ResourcesUnavailable(
+                f"run {run_id}: pool {pool.name!r} needs {len(pool.bundles)} nodes ({field}.nodes) but only {len(fits)} "
+                f"node(s) of the cluster can hold {bundle}; lower {field}.nodes or add nodes"
+            )
 
 
 def pool_group(run_id: str, pool: PoolPlan, waiter: Waiter, timeout_s: float = PLACEMENT_TIMEOUT_S):

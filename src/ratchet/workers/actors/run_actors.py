@@ -373,7 +373,9 @@ class RunActors:
             return nccl_sync(ranks, targets, self.wait)
         return stream_sync(ranks, targets, self.wait)
 
-    def shutdown(self) -> list[str]:
+    def shutdown(self, *, keep_admission: bool = False) -> list[str]:
         """Kill every actor of the run, whatever world size it had, and wait until their
-        names (and so their CPUs) are free: the next run's check_resources counts on it."""
-        return release_run_actors(self.run_id)
+        names (and so their CPUs) are free: the next run's check_resources counts on it.
+        The run's admission grant goes too, unless `keep_admission` (a restore that
+        rebuilds them at once: no queued run may take their CPUs in between)."""
+        return release_run_actors(self.run_id, keep_admission=keep_admission)
