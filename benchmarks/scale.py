@@ -61,6 +61,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner, Worker
 
 from ratchet import types as t
+from ratchet.admission_types import AdmitInput, AdmitOutput
 from ratchet.config import load_config
 from ratchet.config.loop_plan import loop_plan
 from ratchet.workflows import search_attributes as sa
@@ -197,6 +198,9 @@ class Simulation:
         async def prepare_run(inp: t.PrepareInput) -> t.PrepareOutput:
             return t.PrepareOutput(run=t.RunRef(inp.run_id, f"s3://ratchet-runs/runs/{inp.run_id}", "0f3a9c2b71d48e65"))
 
+        async def admit_run(inp: AdmitInput) -> AdmitOutput:
+            return AdmitOutput(admitted=True)  # the simulated cluster always has room
+
         async def warmup(inp: t.WarmupInput) -> t.WarmupOutput:
             return t.WarmupOutput(policy_uri=f"{inp.run.run_uri}/warmup/model", loss_first=2.5, loss_last=0.7, seconds=0.0)
 
@@ -243,7 +247,7 @@ class Simulation:
         async def release_run(inp: t.ReleaseInput) -> t.ReleaseOutput:
             return t.ReleaseOutput()
 
-        fns = [prepare_run, warmup, start_workers, generate, score, train, sync_weights, step, evaluate, checkpoint, record_step,
+        fns = [prepare_run, admit_run, warmup, start_workers, generate, score, train, sync_weights, step, evaluate, checkpoint, record_step,
                finish_run, release_run]  # fmt: skip
         return [activity.defn(name=fn.__name__)(fn) for fn in fns]
 

@@ -157,5 +157,5 @@ def await_result(chaos: ChaosPlatform, handle, timeout: float = 600.0):
             time.sleep(1.0)
 
 
-def check_exactly_once(summary, run_dir: Path) -> None:
-    run_checks.check_exactly_once(summary, run_dir, STEPS, PROMPTS)
+def check_exactly_once(summary, run_dir: Path, steps: int = STEPS) -> None:
+    run_checks.check_exactly_once(summary, run_dir, steps, PROMPTS)

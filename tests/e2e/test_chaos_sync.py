@@ -38,7 +38,9 @@ def test_sync_run_survives_every_fault_with_identical_weights(chaos):
 def test_gae_critic_is_rebuilt_from_its_checkpoint(chaos):
     """PPO with GAE: the critic's state is in every checkpoint, and a critic killed mid-run
     is rebuilt from it plus a replay of its logged updates; the weights then match."""
-    extra = ["algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95"]
+    # 8 steps: checkpoints at 4 and 8, the critic killed after step 6 (between them).
+    steps = 8
+    extra = ["algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95", f"loop.steps={steps}"]
     clean = await_result(chaos, chaos.client.submit(RECIPE_PATH, chaos.overrides(*extra, "tracking.name=clean-gae")))
     handle = chaos.client.submit(RECIPE_PATH, chaos.overrides(*extra, "tracking.name=chaos-gae"))
     run_dir = chaos.state / "runs" / handle.run_id
@@ -54,10 +56,10 @@ def test_gae_critic_is_rebuilt_from_its_checkpoint(chaos):
     summary = await_result(chaos, handle)
     killer.join(60)
     assert killed == [True]
-    check_exactly_once(summary, run_dir)
+    check_exactly_once(summary, run_dir, steps)
     assert_same_weights(clean, summary, ["critic@6"])
     # ... rebuilt from the step-4 checkpoint (a replay from the start would match too).
     log = (chaos.state / "logs" / "worker.log").read_text()
-    assert re.search(rf"run {handle.run_id}: critic rebuilt at v\d+ from checkpoint step-0000000[48] and \d+ replayed", log), log[-3000:]
-    manifest = json.loads((run_dir / "checkpoints" / "step-00000012" / "MANIFEST.json").read_text())
+    assert re.search(rf"run {handle.run_id}: critic rebuilt at v\d+ from checkpoint step-00000004 and \d+ replayed", log), log[-3000:]
+    manifest = json.loads((run_dir / "checkpoints" / "step-00000008" / "MANIFEST.json").read_text())
     assert {"critic/critic.safetensors", "critic/critic.json"} <= set(manifest["files"])

@@ -200,16 +200,13 @@ def test_sweep_survives_worker_and_server_restarts(sweep_platform):
 
     from ratchet.platform import cli
 
-    # The CLI's console took its width when it was imported (80 columns without a terminal,
-    # as under CI): wide enough here that no column is cut short.
-    width, cli.console.width = cli.console.width, 300
-    try:
-        listed = CliRunner().invoke(cli.app, ["sweeps", "--url", p.registry_url])
-        assert listed.exit_code == 0 and handle.sweep_id in listed.output and "completed" in listed.output, listed.output
-        trials = CliRunner().invoke(cli.app, ["sweeps", handle.sweep_id, "--url", p.registry_url])
-        assert trials.exit_code == 0 and trials.output.count("pruned") == len(pruned) and "best" in trials.output, trials.output
-    finally:
-        cli.console.width = width
+    # Wide enough that every table is drawn as a table (Rich reads COLUMNS at each print:
+    # never pin the CLI console's width, later tests in this process would inherit it).
+    wide = {"COLUMNS": "300"}
+    listed = CliRunner().invoke(cli.app, ["sweeps", "--url", p.registry_url], env=wide)
+    assert listed.exit_code == 0 and handle.sweep_id in listed.output and "completed" in listed.output, listed.output
+    trials = CliRunner().invoke(cli.app, ["sweeps", handle.sweep_id, "--url", p.registry_url], env=wide)
+    assert trials.exit_code == 0 and trials.output.count("pruned") == len(pruned) and "best" in trials.output, trials.output
 
 
 async def _count(p: ChaosPlatform, workflow_id: str) -> int:

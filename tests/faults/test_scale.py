@@ -28,7 +28,7 @@ from ..benchmark_scripts import load_benchmark
 SUGGEST_EVENTS = 60  # the dev server suggests continue-as-new from this history length
 CHAIN_STEPS = 12
 PHASES = ("generate", "score", "train", "sync_weights")
-SETUP = {"prepare_run": 1, "warmup": 1, "start_workers": 1, "finish_run": 1}
+SETUP = {"prepare_run": 1, "admit_run": 1, "warmup": 1, "start_workers": 1, "finish_run": 1}
 
 
 scale = load_benchmark("scale", "scale_benchmark")

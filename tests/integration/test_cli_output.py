@@ -35,7 +35,12 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 180) -> subpro
 
 
 def popen_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([*RATCHET, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env))
+    # SIGINT as a shell gives it: a pytest-xdist worker ignores SIGINT, and a child would
+    # inherit that (Python installs no KeyboardInterrupt handler then).
+    return subprocess.Popen(
+        [*RATCHET, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
 
 
 def read_until(proc: subprocess.Popen, needle: str) -> str:

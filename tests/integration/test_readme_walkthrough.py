@@ -97,6 +97,9 @@ def test_using_it_works_pasted_into_a_fresh_shell(tmp_path):
         PATH="/usr/bin:/bin", HOME=str(tmp_path / "home"), COLUMNS="120",
         RATCHET_TEMPORAL_PORT=str(temporal), RATCHET_TEMPORAL_UI_PORT=str(ui), RATCHET_RAY_PORT=str(ray),
         RATCHET_MLFLOW_UI_PORT="off", RATCHET_STICKY_TIMEOUT_S="1",
+        # After `ratchet down` the worker goes once the services stay gone this long (a
+        # user's default is 120 s for Temporal, 55 s for the Ray head): the test waits less.
+        RATCHET_WORKER_LOST_SERVER_S="10",
     )  # fmt: skip
     script = _script(using_it_blocks())
     try:

@@ -17,7 +17,18 @@ runner = CliRunner()
 
 
 def invoke(*args: str):
-    result = runner.invoke(app, list(args), env={"COLUMNS": "250"})
+    """The command's exit code and output, drawn 250 columns wide (its tables as tables),
+    on a console of its own: the CLI's module console may carry a width another test in
+    this process gave it."""
+    from rich.console import Console
+
+    from ratchet.platform import cli
+
+    before, cli.console = cli.console, Console(width=250)
+    try:
+        result = runner.invoke(app, list(args), env={"COLUMNS": "250"})
+    finally:
+        cli.console = before
     return result.exit_code, result.output
 
 

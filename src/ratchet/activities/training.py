@@ -14,7 +14,6 @@ import logging
 import time
 from functools import lru_cache
 
-import ray
 import temporalio.converter
 from temporalio import activity
 
@@ -26,7 +25,6 @@ from ratchet.ids import check_id
 from ratchet.workers.actors import RunActors, release_run_actors
 from ratchet.workers.columns import Parts
 from ratchet.workers.results import CheckpointOutcome, CheckpointStarted
-from ratchet.workers.warmup import warmup_policy
 
 from . import registry_calls
 from . import tracking_calls
@@ -76,13 +74,11 @@ def warmup(inp: t.WarmupInput) -> t.WarmupOutput:
     if cfg.warmup.steps == 0:
         return t.WarmupOutput(policy_uri=cfg.model.path, loss_first=0.0, loss_last=0.0, seconds=0.0)
     actors = actors_for(inp.run)
-    task = ray.remote(warmup_policy).options(num_cpus=cfg.resources.trainer_cpus, max_retries=0)
-    warming = task.remote(cfg, cfg.model.path, inp.run.run_uri)
     # The reward worker needs only the tokenizer, which the warm-up leaves as it is: its
-    # process starts (and imports torch, seconds) while the warm-up trains; start_workers
-    # finds it by name.
+    # process starts (and imports torch, seconds) while trainer rank 0 warms up the model
+    # in the process that then trains it; start_workers finds both by name.
     actors.start_reward(cfg.model.path)
-    out = wait(warming)
+    out = actors.warm_up(cfg.model.path)
     return t.WarmupOutput(policy_uri=out.uri, loss_first=out.loss_first, loss_last=out.loss_last, seconds=out.seconds)
 
 

@@ -82,6 +82,7 @@ class SetupInfo:
     world_size: int
     num_parameters: int
     process_group_inits: int  # init_process_group calls in the actor: 1, unless a retry broke it
+    policy_uri: str = ""  # the policy it sets up with (rank 0 made for the warm-up: the warm-up model)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from .columns import Fields, Parts
 from .hf_io import local_hf_path, upload_hf_folder, write_hf_folder
 from .local_paths import restore_dir, staging_dir
 from .policy_update import PolicyTrainer, check_finite_weights
-from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult
+from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult, WarmupResult
 from .runtime import configure_worker_process, free_port, node_address
 from .weight_sync.ray_transport import (
     STREAM_TIMEOUT_S,
@@ -69,7 +69,8 @@ class TrainerWorker:
     def __init__(self, cfg: RunConfig, policy_path: str, run_uri: str, rank: int, world_size: int):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.policy_path = local_hf_path(policy_path)
+        self._policy_uri, self._policy_path = policy_path, None
+        self.run_uri = run_uri
         self.run = ObjectStore(run_uri)
         self.trainer: PolicyTrainer | None = None
         self._last = None  # ((batch index, version it trained), StepResult) of the latest update
@@ -84,6 +85,38 @@ class TrainerWorker:
         self._checkpoint_request: tuple | None = None  # (step, run_state, extra files, version) of the latest
         self._num_parameters = 0
         self.process_group_inits = 0  # init_process_group calls in this actor (once, or a retry broke it)
+
+    @property
+    def policy_path(self) -> str:
+        """The policy's local folder, found on first use: rank 0 is made before the warm-up
+        (it runs it: `warm_up`), with the address of a warm-up model that does not exist yet."""
+        if self._policy_path is None:
+            self._policy_path = local_hf_path(self._policy_uri)
+        return self._policy_path
+
+    def warm_up(self, base_model_path: str) -> WarmupResult:
+        """The run's supervised warm-up (workers/warmup.py), in this process, before `setup`.
+        The process that trains next has then imported torch and transformers and warmed
+        up its kernels already: the warm-up costs no process of its own, which was about 7 s
+        of every run's start-up. Python's, numpy's and torch's global generators are left as
+        they were, so the rank sets up exactly as one that never warmed up (a rank rebuilt
+        from a checkpoint does not)."""
+        import random
+
+        import numpy as np
+        import torch
+
+        from .warmup import warmup_policy
+
+        if self.trainer is not None:
+            raise RuntimeError(f"trainer rank {self.rank} is set up already: the warm-up comes first")
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return warmup_policy(self.cfg, base_model_path, self.run_uri)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """(host, port) for the process group's rendezvous, asked of rank 0: its node's
@@ -128,6 +161,7 @@ class TrainerWorker:
             world_size=self.world_size,
             num_parameters=self._num_parameters,
             process_group_inits=self.process_group_inits,
+            policy_uri=self._policy_uri,
         )
 
     def policy_version(self) -> int:

@@ -23,7 +23,7 @@ from ratchet.errors import RewardTimeout, WorkerLost
 from ratchet.storage import ObjectStore, RunLayout
 
 from ..critic import CriticWorker
-from ..results import GenerateResult, ScoreResult
+from ..results import GenerateResult, ScoreResult, WarmupResult
 from ..reward import RewardWorker
 from ..rollout import RolloutWorker
 from ..trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
@@ -84,11 +84,26 @@ class RunActors:
 
     # -- trainer -------------------------------------------------------------------------
 
+    def _create_trainer(self, rank: int, policy_path: str):
+        world = self.cfg.trainer.world_size
+        return self._create(
+            TrainerWorker, Role.TRAINER, rank, self.cfg.resources.trainer_cpus, self.cfg, policy_path, self.run_uri, rank, world,
+            groups=TRAINER_CONCURRENCY_GROUPS,
+        )  # fmt: skip
+
+    def warm_up(self, base_model_path: str) -> WarmupResult:
+        """The supervised warm-up, run by trainer rank 0 before it sets up: the process that
+        trains next does it, so it costs no process of its own. Rank 0 is made with the
+        warm-up model as its policy (`initial_policy`); `start_trainers` sets it up."""
+        rank0 = self._create_trainer(0, self.initial_policy())
+        return self.wait(rank0.warm_up.remote(base_model_path))
+
     def start_trainers(self, policy_path: str) -> int:
         """Create and set up every trainer rank; returns the parameter count. Idempotent: a
-        retried start reuses ranks that are all set up; ranks left half set up (a process
-        group that may be broken) are killed and all ranks made afresh, since a surviving
-        rank cannot join a new group."""
+        retried start reuses ranks that are all set up, and ranks never set up for this
+        policy (rank 0 after the warm-up) are set up as they are; ranks left half set up (a
+        process group that may be broken) are killed and all ranks made afresh, since a
+        surviving rank cannot join a new group."""
         world = self.cfg.trainer.world_size
         survivors = [self.find(Role.TRAINER, r) for r in range(world)]
         if any(a is not None for a in survivors):
@@ -96,15 +111,11 @@ class RunActors:
             if count is not None:
                 log.info("run %s: trainer ranks already set up; reusing them", self.run_id)
                 return count
-            log.warning("run %s: trainer ranks half set up; recreating all %d", self.run_id, world)
-            self.kill_trainers()
-        ranks = [
-            self._create(
-                TrainerWorker, Role.TRAINER, r, self.cfg.resources.trainer_cpus, self.cfg, policy_path, self.run_uri, r, world,
-                groups=TRAINER_CONCURRENCY_GROUPS,
-            )  # fmt: skip
-            for r in range(world)
-        ]
+            if not self._never_set_up(survivors, policy_path):
+                log.warning("run %s: trainer ranks half set up; recreating all %d", self.run_id, world)
+                self.kill_trainers()
+                survivors = [None] * world
+        ranks = [a if a is not None else self._create_trainer(r, policy_path) for r, a in enumerate(survivors)]
         # Rank 0's node address and a port free there: the ranks may be on several nodes.
         host, port = self.wait(ranks[0].rendezvous_address.remote())
         counts = self.wait([a.setup.remote(port, host) for a in ranks])
@@ -121,6 +132,17 @@ class RunActors:
         if all(i.ready and i.world_size == len(ranks) for i in infos):
             return infos[0].num_parameters
         return None
+
+    def _never_set_up(self, ranks: list, policy_path: str) -> bool:
+        """Whether every live rank among `ranks` is fresh: made for `policy_path`, never set
+        up, in no process group (rank 0 after the warm-up); such ranks can still join one."""
+        live = [a for a in ranks if a is not None]
+        try:
+            infos = self.wait([a.setup_info.remote() for a in live], timeout_s=PROBE_TIMEOUT_S)
+        except (WaitTimeout, ray.exceptions.RayError):
+            return False
+        world = self.cfg.trainer.world_size
+        return all(not i.ready and i.process_group_inits == 0 and i.world_size == world and i.policy_uri == policy_path for i in infos)
 
     def trainer_ranks(self) -> list:
         """The live trainer ranks (None for a missing one), without any version check."""
