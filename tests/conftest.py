@@ -35,7 +35,29 @@ os.environ.setdefault("RATCHET_SWEEP_EVERY_S", "0")
 _RAY_FIXTURES = {"platform", "chaos", "s3_platform", "running", "ray_driver"}
 
 
+# The longest modules first (seconds on CI's 2 cores): `make test` hands whole modules to
+# two processes in collection order (--dist loadfile), and a long module started last
+# leaves one process idle while it runs alone. Longest first keeps both busy to the end.
+LONGEST_FIRST = (
+    "tests/e2e/test_node_failure.py",  # ~400 s: three nodes killed twice over, a drain
+    "tests/e2e/test_chaos_sync.py",  # ~160 s
+    "tests/e2e/test_chaos_async.py",  # ~160 s
+    "tests/e2e/test_sweep.py",  # ~180 s
+    "tests/integration/test_readme_walkthrough.py",  # ~100 s
+    "tests/e2e/test_resume.py",
+    "tests/e2e/test_s3_run.py",
+    "tests/integration/test_admission.py",
+    "tests/e2e/test_stop_resume_facts.py",
+)
+
+
+def _longest_first(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(items):
+    items.sort(key=_longest_first)  # stable: the rest keep their order
     gpu_skip = None
     for item in items:
         if _RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
