@@ -85,8 +85,11 @@ def test_history_per_step_is_independent_of_replicas_and_ranks_and_segments_stay
         assert abs(big_bytes / small_bytes - 1) < 0.05, (mode, big_bytes, small_bytes)
         for r in (small, big):
             # Events a step: its activities, the workflow tasks between them, a metrics line and
-            # a search-attribute upsert (how many tasks depends on which completions coincide).
-            assert r.per_step("steady_events") <= (10 if mode == "sync" else 30), (mode, r.segments)
+            # a search-attribute upsert. How many workflow tasks depends on which completions
+            # coincide: on a loaded machine each of the four activities' completions can get a
+            # task of its own (3 events each), so the bound for the async modes is 4 x 3 for
+            # the activities, 4 x 3 for their tasks, and a few for the record and the upsert.
+            assert r.per_step("steady_events") <= (10 if mode == "sync" else 36), (mode, r.segments)
 
     for mode in ("sync", "fully_async"):
         segments = out[mode, "chain"].segments
