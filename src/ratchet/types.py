@@ -2,7 +2,7 @@
 
 This module imports only the standard library so that workflow code can import it inside
 the Temporal sandbox. Every field is small: payloads carry references (URIs, ids) and
-scalar metrics, never tensors or samples (DESIGN.md, rule 1).
+scalar metrics, never tensors or samples (docs/design.md, rule 1).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class LoopPlan:
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     continue_as_new_every: int = 0  # steps between continue-as-new (0: when Temporal suggests)
     heartbeat_timeout_s: float = 30.0
+    safe_lambda: float | None = None  # Safe-RLHF's initial multiplier (safety.lambda_init); None: no safety section
 
 
 @dataclass
@@ -66,6 +67,7 @@ class RunState:
     # Deterministic fully_async: no batch is scheduled on an older version (a resume sets it).
     version_floor: int = 0
     kl_coef: float = 0.0
+    safe_lambda: float | None = None  # Safe-RLHF's Lagrange multiplier, carried as kl_coef is (None: not in use)
     # Rolled out and scored, not yet trained on (async modes), oldest first; each entry is
     # the rounds of one batch.
     ready: list[list[ScoredBatch]] = field(default_factory=list)
@@ -276,6 +278,7 @@ class TrainInput:
     kl_coef: float = 0.0
     parts: int = 1  # rollout rounds of the step to train on
     live: dict[str, Any] = field(default_factory=dict)  # RunState.live.values: set while the run trains
+    safe_lambda: float | None = None  # Safe-RLHF's multiplier in force (None: safety.lambda_init, or no safety)
 
 
 @dataclass
@@ -284,6 +287,7 @@ class TrainOutput:
     metrics: dict[str, float]
     seconds: float
     kl_coef: float = 0.0  # the controller's coefficient for the next step
+    safe_lambda: float | None = None  # Safe-RLHF's multiplier for the next step
 
 
 @dataclass
@@ -307,6 +311,7 @@ class StepInput:
     policy_version: int  # the trainer's version, updated by this step
     kl_coef: float = 0.0
     live: dict[str, Any] = field(default_factory=dict)  # RunState.live.values: set while the run trains
+    safe_lambda: float | None = None  # Safe-RLHF's multiplier in force
 
 
 @dataclass

@@ -91,7 +91,7 @@ def test_unknown_key_in_yaml(setup: Setup) -> None:
         load_config(setup.yaml)
     message = issues_of(excinfo)["trainer.learning_rate"]
     assert "unknown key 'trainer.learning_rate'" in message
-    assert "valid keys of trainer: activation_checkpointing, betas, device, grad_clip, lr," in message
+    assert "valid keys of trainer: activation_checkpointing, betas, device, grad_clip, lora, lr," in message
 
 
 def test_unknown_key_override_suggests_close_match(setup: Setup) -> None:
@@ -102,6 +102,29 @@ def test_unknown_key_override_suggests_close_match(setup: Setup) -> None:
     assert "(did you mean 'lr'?)" in message
     assert "trainer.lrr: unknown key" in str(excinfo.value)
     assert str(excinfo.value).startswith("invalid run configuration:\n")
+
+
+def test_unknown_key_inside_an_optional_section_or_a_list_of_sections(setup: Setup) -> None:
+    """Optional sections (`X | None`) and lists of sections list their own keys and suggest
+    the close one, like any other section (config/sections.py)."""
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(setup.yaml, ["algorithm.off_policy.is_weights={hihg: 2.0}"])
+    message = issues_of(excinfo)["algorithm.off_policy.is_weights.hihg"]
+    assert "valid keys of algorithm.off_policy.is_weights: batch_normalize, high, kind, level, low (did you mean 'high'?)" in message
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(setup.yaml, ["algorithm.off_policy.rejection=[{statistic: k3, level: token, hgh: 1.0}]"])
+    message = issues_of(excinfo)["algorithm.off_policy.rejection.0.hgh"]
+    assert "valid keys of algorithm.off_policy.rejection.0: high, level, low, statistic (did you mean 'high'?)" in message
+
+
+def test_schema_rows_and_sweep_keys_reach_into_optional_sections() -> None:
+    from ratchet.config.sweep_spec import _config_key_problem
+    from ratchet.platform.cli import _fields
+
+    keys = [row[0] for row in _fields(RunConfig)]
+    assert {"algorithm.off_policy.is_weights.high", "algorithm.off_policy.rejection[].statistic"} <= set(keys)
+    assert _config_key_problem("algorithm.off_policy.is_weights.high") is None
+    assert _config_key_problem("algorithm.off_policy.is_weights").startswith("is a section")
 
 
 def test_unknown_top_level_section_lists_sections(setup: Setup) -> None:

@@ -2,7 +2,7 @@
 
 Activities run in a thread pool; each wait polls Ray with a short timeout and heartbeats in
 between, so Temporal notices a dead worker within the heartbeat timeout, and a cancelled
-activity cancels its Ray task instead of leaving it running (DESIGN.md, rule 5).
+activity cancels its Ray task instead of leaving it running (docs/design.md, rule 5).
 
 Domain errors raised inside a Ray actor are classified by `translate.from_ray_error`.
 `ACTIVITY_WAITER` hands these waits to the worker layer (`RunActors(..., waiter=...)`).

@@ -161,13 +161,14 @@ def train(inp: t.TrainInput) -> t.TrainOutput:
         wait(critic.compute_values.remote(batch_index, parts))
     ranks = actors.trainers(inp.policy_version, retrying_update=retrying)
     # `live`: hyper-parameters set while the run trains (live_keys.py), for this update.
-    outs = wait([a.train.remote(batch_index, inp.policy_version, inp.kl_coef, parts, live=inp.live or None) for a in ranks])
+    outs = wait([a.train.remote(batch_index, inp.policy_version, inp.kl_coef, parts, live=inp.live or None, safe_lambda=inp.safe_lambda) for a in ranks])
     metrics = dict(outs[0].metrics)
     if critic is not None:
         metrics.update(wait(critic.update.remote(batch_index, parts)))
     return t.TrainOutput(
-        policy_version=outs[0].policy_version, metrics=metrics, seconds=time.perf_counter() - t0, kl_coef=outs[0].kl_coef
-    )
+        policy_version=outs[0].policy_version, metrics=metrics, seconds=time.perf_counter() - t0, kl_coef=outs[0].kl_coef,
+        safe_lambda=outs[0].safe_lambda,
+    )  # fmt: skip
 
 
 @activity.defn(name="sync_weights")
@@ -197,7 +198,7 @@ def step(inp: t.StepInput) -> t.StepOutput:
     if actors.cfg.uses_critic:
         batch = generate(ro)
         scored = score(t.ScoreInput(ro.run, batch))
-        trained = train(t.TrainInput(ro.run, batch, inp.policy_version, kl_coef=inp.kl_coef, live=inp.live))
+        trained = train(t.TrainInput(ro.run, batch, inp.policy_version, kl_coef=inp.kl_coef, live=inp.live, safe_lambda=inp.safe_lambda))
         synced = sync_weights(t.SyncInput(ro.run, trained.policy_version))
     else:
         batch, scored, trained, (ranks, replicas) = _step_in_memory(actors, inp)
@@ -224,13 +225,18 @@ def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.
         actors.sleep_rollouts()  # colocated: the engines give the trainer their memory
     t0 = time.perf_counter()
     live = inp.live or None
-    trained, summary = wait([a.train_handed.remote(ro.batch_index, version, inp.kl_coef, scores, *shares, live=live) for a in ranks])[0]
+    trained, summary = wait(
+        [a.train_handed.remote(ro.batch_index, version, inp.kl_coef, scores, *shares, live=live, safe_lambda=inp.safe_lambda) for a in ranks]
+    )[0]
     seconds = time.perf_counter() - t0
     run_store = ObjectStore(ro.run.run_uri)
     batch = _batch_ref(ro, run_store.uri(BatchStore(run_store).key(ro.batch_index, Parts.ROLLOUT)), summary)
     s = summary.score
     scored = t.ScoreOutput(reward_mean=s.reward_mean, reward_std=s.reward_std, seconds=s.seconds, informative_groups=s.informative_groups)
-    trained_out = t.TrainOutput(policy_version=trained.policy_version, metrics=dict(trained.metrics), seconds=seconds, kl_coef=trained.kl_coef)
+    trained_out = t.TrainOutput(
+        policy_version=trained.policy_version, metrics=dict(trained.metrics), seconds=seconds, kl_coef=trained.kl_coef,
+        safe_lambda=trained.safe_lambda,
+    )  # fmt: skip
     # A replica lost and recreated during the batch is not among those that generated it:
     # then the sync looks every replica up.
     replicas = pool.healthy if len(pool.healthy) == actors.cfg.rollout.replicas else []

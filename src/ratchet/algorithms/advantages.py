@@ -5,6 +5,13 @@
 `token_rewards` holds each sequence's reward on its last response token (plus any
 per-token KL penalty when the KL is in the reward); outcome estimators use its sum.
 Each estimator is registered, with the inputs it needs, by its line in catalog.py.
+
+Masks may have holes: in a multi-turn rollout the tool output inside the response is
+mask 0. Nothing here treats the mask as a prefix: the last response token is the last 1
+(`last_token_index`), not `mask.sum() - 1`, and returns-to-go run across holes.
+Advantages are constants for the policy loss: every estimator detaches its inputs, so no
+gradient flows back into rewards, values or log-probs through them.
+More estimators (OPO, GPG, pass@k, optimal token baseline) are in advantages_outcome.py.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ class AdvInputs:
     group: torch.Tensor  # [B] int64: samples of the same prompt share a group
     values: torch.Tensor | None = None  # [B, T] critic values (GAE)
     baseline_rewards: torch.Tensor | None = None  # [B] reward of a baseline response (ReMax)
+    old_logprob: torch.Tensor | None = None  # [B, T] the policy's log-probs before the update (OTB)
+    sum_pi_squared: torch.Tensor | None = None  # [B, T] sum over the vocabulary of pi^2 per token (OTB)
 
     @property
     def scores(self) -> torch.Tensor:
-        """One scalar per sequence."""
-        return (self.token_rewards * self.response_mask).sum(-1)
+        """One scalar per sequence (detached: advantages carry no gradient)."""
+        return (self.token_rewards.detach() * self.response_mask).sum(-1)
 
 
 @dataclass
@@ -91,11 +100,32 @@ def remax_baselines(prompt_index: torch.Tensor, greedy_prompt_index: torch.Tenso
     return torch.tensor([by_prompt[i] for i in prompt_index.tolist()])
 
 
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the position of each row's last 1 in `mask` [B, T], -1 for an empty row.
+
+    This, not `mask.sum() - 1`, is the last response token: a multi-turn mask has holes
+    (tool output inside the response is 0), so the count of 1s falls short of it."""
+    keep = mask.bool()
+    if keep.shape[-1] == 0:
+        return torch.full(keep.shape[:-1], -1, dtype=torch.long, device=mask.device)
+    pos = torch.arange(keep.shape[-1], device=mask.device).expand_as(keep)
+    return torch.where(keep, pos, -1).amax(-1)
+
+
+def response_span_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """[B] int64: positions up to and including each row's last response token, holes
+    (tool output) included; the prefix of `response_ids` that is the trajectory. Equals
+    `mask.sum(-1)` when the mask has no holes."""
+    return last_token_index(mask) + 1
+
+
 def sequence_rewards_to_tokens(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] rewards placed on each sequence's last response token, [B, T]."""
+    """[B] rewards placed on each sequence's last response token (the last 1 of its mask,
+    after any hole), [B, T]. An empty response gets no reward: it has no token to hold it."""
     token_rewards = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
-    token_rewards[torch.arange(len(rewards)), last] = rewards.float() * (response_mask.sum(-1) > 0)
+    last = last_token_index(response_mask)
+    rows = torch.nonzero(last >= 0).flatten()
+    token_rewards[rows, last[rows]] = rewards.detach().float().to(token_rewards.device)[rows]
     return token_rewards
 
 
@@ -129,26 +159,30 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = WHITEN_EPS) 
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Return-to-go G_t = r_t + gamma * G_{t+1} over response tokens, [B, T] float32.
+    """Return-to-go G_t = r_t + gamma * G_{t'} over response tokens, [B, T] float32, where
+    t' is the next response token (mask 1) after t.
 
-    The running return is reset at every masked-out position (verl's "reset after EOS"), so
-    padding, and any hole in a multi-turn mask, starts a new segment; G is 0 outside the mask.
+    A hole in a multi-turn mask (tool output) is skipped, not a reset: the reward at the end
+    of the conversation reaches the tokens of every earlier turn, and gamma discounts per
+    response token (the observation tokens are not the model's actions), as GAE carries V
+    and A across holes. Padding after the last response token holds no reward, so the
+    return there stays 0 (verl's "reset after EOS"); G is 0 outside the mask.
     """
     keep = mask.bool()
     m = keep.to(torch.float32)
-    r = torch.where(keep, token_rewards.float(), 0.0)
+    r = torch.where(keep, token_rewards.detach().float(), 0.0)
     out = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
     for t in reversed(range(r.shape[1])):
-        running = (r[:, t] + gamma * running) * m[:, t]
-        out[:, t] = running
+        running = torch.where(keep[:, t], r[:, t] + gamma * running, running)
+        out[:, t] = running * m[:, t]
     return out
 
 
 def _masked_scores(inputs: AdvInputs) -> torch.Tensor:
     """Like `AdvInputs.scores`, but padding is never read (NaN there cannot leak: nan * 0 = nan)."""
     keep = inputs.response_mask.bool()
-    return torch.where(keep, inputs.token_rewards.float(), 0.0).sum(-1)
+    return torch.where(keep, inputs.token_rewards.detach().float(), 0.0).sum(-1)
 
 
 def _require(inputs: AdvInputs, field: str, estimator: str) -> torch.Tensor:
@@ -177,7 +211,7 @@ def gae(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     keep = inputs.response_mask.bool()
     m = keep.to(torch.float32)
     v = torch.where(keep, values.detach().float(), 0.0)
-    r = torch.where(keep, inputs.token_rewards.float(), 0.0)
+    r = torch.where(keep, inputs.token_rewards.detach().float(), 0.0)
     B, T = r.shape
     next_value = torch.zeros(B, dtype=torch.float32, device=r.device)
     last = torch.zeros_like(next_value)
@@ -241,4 +275,4 @@ def remax(inputs: AdvInputs, params: AdvParams) -> AdvOutput:
     baseline = _require(inputs, "baseline_rewards", "remax")
     returns = discounted_returns(inputs.token_rewards, inputs.response_mask, 1.0)
     m = inputs.response_mask.to(torch.float32)
-    return AdvOutput(advantages=returns - baseline.float().unsqueeze(-1) * m, returns=returns)
+    return AdvOutput(advantages=returns - baseline.detach().float().unsqueeze(-1) * m, returns=returns)

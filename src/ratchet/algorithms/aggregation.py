@@ -46,6 +46,16 @@ def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, norm: Normal
     return (loss * mask).sum() / max(norm.sequences * norm.max_response_length, 1.0)
 
 
+def token_sum(loss: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> torch.Tensor:
+    """The plain sum over every token of the batch, no normaliser (verl's `token-sum`).
+
+    Summing is already global: micro-batches and ranks add up to the full batch, and the
+    trainer multiplies each rank's loss by the world size against FSDP's averaging, which
+    is verl's `* dp_size`. The gradient grows with the batch's token count, so the learning
+    rate must be scaled down by about that count compared to `token-mean`."""
+    return (loss * mask).sum()
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `x` where `mask` is 1; 0 when the mask is empty."""
     return (x * mask).sum() / mask.sum().clamp(min=1.0)

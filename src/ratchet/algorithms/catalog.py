@@ -42,6 +42,7 @@ class AdvEstimator:
     needs_group: bool = False  # AdvInputs.group: several samples per prompt (rollout.n >= 2)
     needs_critic: bool = False  # AdvInputs.values: a critic is trained alongside
     needs_baseline: bool = False  # AdvInputs.baseline_rewards: a greedy response per prompt is scored
+    needs_sum_pi_squared: bool = False  # AdvInputs.old_logprob and .sum_pi_squared over the whole batch (OTB)
 
     @property
     def fn(self) -> Callable[["AdvInputs", "AdvParams"], "AdvOutput"]:
@@ -59,10 +60,19 @@ ADV_ESTIMATORS.register("gae", AdvEstimator(_ADV + "gae", needs_critic=True))
 ADV_ESTIMATORS.register("reinforce_plus_plus", AdvEstimator(_ADV + "reinforce_plus_plus"))
 ADV_ESTIMATORS.register("reinforce_plus_plus_baseline", AdvEstimator(_ADV + "reinforce_plus_plus_baseline", needs_group=True))
 ADV_ESTIMATORS.register("remax", AdvEstimator(_ADV + "remax", needs_baseline=True))
+_ADV_OUTCOME = "ratchet.algorithms.advantages_outcome:"
+ADV_ESTIMATORS.register("opo", AdvEstimator(_ADV_OUTCOME + "opo", needs_group=True))
+ADV_ESTIMATORS.register("gpg", AdvEstimator(_ADV_OUTCOME + "gpg", needs_group=True))
+ADV_ESTIMATORS.register("grpo_passk", AdvEstimator(_ADV_OUTCOME + "grpo_passk", needs_group=True))
+_OTB = AdvEstimator(_ADV_OUTCOME + "optimal_token_baseline", needs_group=True, needs_sum_pi_squared=True)
+ADV_ESTIMATORS.register("optimal_token_baseline", _OTB)
+ADV_ESTIMATORS.register("tir_optimal_token_baseline", _OTB)  # verl's multi-turn name: this OTB already skips holes
 
 
-def register_adv_estimator(name: str, *, needs_group: bool = False, needs_critic: bool = False, needs_baseline: bool = False):
-    return decorator(ADV_ESTIMATORS, name, lambda fn: AdvEstimator(fn, needs_group, needs_critic, needs_baseline))
+def register_adv_estimator(
+    name: str, *, needs_group: bool = False, needs_critic: bool = False, needs_baseline: bool = False, needs_sum_pi_squared: bool = False
+):
+    return decorator(ADV_ESTIMATORS, name, lambda fn: AdvEstimator(fn, needs_group, needs_critic, needs_baseline, needs_sum_pi_squared))
 
 
 # --------------------------------------------------------------------------- policy losses
@@ -70,6 +80,13 @@ def register_adv_estimator(name: str, *, needs_group: bool = False, needs_critic
 
 POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
 register_all(POLICY_LOSSES, "ratchet.algorithms.policy_losses", {"ppo_clip": "ppo_clip", "dual_clip": "dual_clip", "gspo": "gspo", "cispo": "cispo"})
+# The rest of verl's catalogue; "geo_mean" is verl's name for GMPO.
+register_all(
+    POLICY_LOSSES,
+    "ratchet.algorithms.policy_losses_verl",
+    {"sapo": "sapo", "gmpo": "gmpo", "geo_mean": "gmpo", "dppo_tv": "dppo_tv", "dppo_kl": "dppo_kl", "dro": "dro", "reinforce_is": "reinforce_is"},
+)
+register_all(POLICY_LOSSES, "ratchet.algorithms.policy_losses_cov", {"clip_cov": "clip_cov", "kl_cov": "kl_cov"})
 
 
 register_policy_loss = partial(decorator, POLICY_LOSSES)  # @register_policy_loss("name") on fn
@@ -87,6 +104,7 @@ register_all(
         "seq-mean-token-sum": "seq_mean_token_sum",
         "seq-mean-token-mean": "seq_mean_token_mean",
         "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+        "token-sum": "token_sum",
     },
 )
 
@@ -120,3 +138,26 @@ register_all(
 
 
 register_off_policy = partial(decorator, OFF_POLICY)  # @register_off_policy("name") on fn
+
+
+# --------------------------------------------------------------------------- preference losses
+# stages[].loss of a `dpo` pipeline stage; fn(PrefInputs, PrefParams) -> PrefOutput (preference.py)
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """A preference loss and whether it needs the frozen reference model's log-probs."""
+
+    impl: Callable | str
+    needs_reference: bool = True
+
+    @property
+    def fn(self) -> Callable:
+        return resolve(self.impl)
+
+
+PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss")
+_PREF = "ratchet.algorithms.preference:"
+PREFERENCE_LOSSES.register("sigmoid", PreferenceLoss(_PREF + "dpo_sigmoid"))
+PREFERENCE_LOSSES.register("ipo", PreferenceLoss(_PREF + "ipo"))
+PREFERENCE_LOSSES.register("simpo", PreferenceLoss(_PREF + "simpo", needs_reference=False))

@@ -20,6 +20,12 @@ A sequence-level weight is the same on every token of the sequence.
 
 All of it works in log space and exponentiates only bounded values, so log-ratios of
 +-1000 (or +-inf) give finite weights.
+
+On top of the mode, verl's rollout correction (rollout_correction.py, settings in
+off_policy_settings.py): explicit IS weights (`algorithm.off_policy.is_weights`: truncated
+with asymmetric bounds, or IcePop-masked, optionally batch-normalised) and rejection
+criteria (`algorithm.off_policy.rejection`: ratio, k2 or k3 at token, seq_sum, seq_mean or
+seq_max level, all of which must pass), and the off-policy diagnostics in the metrics.
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .catalog import OFF_POLICY
-from .kl import kl_low_var
+from .off_policy_settings import as_is_weights, as_rejection, is_weights_problems, mode_problems, raise_problems, rejection_problems
+from .rollout_correction import LEVELS, Totals, add_diagnostics, batch_normalize, criterion_passes, finish_diagnostics
+from .rollout_correction import importance_weights, level_log_ratio, ratio
 
-LEVELS = ("token", "sequence", "geometric")
-_LOG_CLAMP = 1e6  # finite stand-in for +-inf log-ratios; exp() is only applied to bounded values
+__all__ = ["LEVELS", "Decision", "OffPolicyCorrection", "level_log_ratio", "off_policy_correction"]  # LEVELS, level_log_ratio: re-exported
 
 
 @dataclass
@@ -54,21 +61,6 @@ class Decision:
     keep: torch.Tensor  # [B, T] bool
     truncated: torch.Tensor | None = None  # [B, T] bool (tis)
     use_rollout_as_old: bool = False
-
-
-def level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """Token log-ratios [B, T] -> log-weights [B, T] at `level` (see the module docstring);
-    0 outside the mask."""
-    if level not in LEVELS:
-        raise ValueError(f"unknown off-policy level {level!r}; one of: {', '.join(LEVELS)}")
-    keep = mask.bool()
-    lr = torch.where(keep, log_ratio.float().nan_to_num(0.0).clamp(-_LOG_CLAMP, _LOG_CLAMP), 0.0)
-    if level == "token":
-        return lr
-    per_seq = lr.sum(-1)
-    if level == "geometric":
-        per_seq = per_seq / keep.sum(-1).clamp(min=1).to(per_seq.dtype)
-    return torch.where(keep, per_seq.unsqueeze(-1).expand_as(lr), 0.0)
 
 
 def no_correction(log_w: torch.Tensor, keep: torch.Tensor, cap: float) -> Decision:
@@ -127,50 +119,93 @@ def off_policy_correction(
     mask: torch.Tensor,
     cap: float = 2.0,
     level: str = "token",
+    is_weights: object | None = None,
+    rejection: object | None = None,
+    world_size: int = 1,
 ) -> OffPolicyCorrection:
     """Weights and kept mask for `mode` (`algorithm.off_policy.mode`: none, tis, decoupled,
-    bypass, rejection) with `cap` and `level` (`algorithm.off_policy.{cap,level}`).
+    bypass, rejection) with `cap` and `level` (`algorithm.off_policy.{cap,level}`), then
+    - `is_weights` (`algorithm.off_policy.is_weights`: an `ISWeights`, or any object or mapping
+      with its fields; modes none and rejection only): weights pi_old / mu, truncated or
+      IcePop-masked, optionally batch-normalised (rollout_correction.py);
+    - `rejection` (`algorithm.off_policy.rejection`: a list of `RejectionCriterion`s or
+      objects/mappings with their fields): a token is kept only if every criterion passes.
+    `world_size` > 1: the trainer's ranks each call this on their rows, and batch
+    normalisation and the metrics are reduced over all of them (collectives: every rank
+    must call it).
 
     `old_logprob` may be None for "bypass", `rollout_logprob` may be None for "none" (then
-    the rollout/trainer metrics are left out). Metrics (python floats; means over the input
-    `mask` tokens unless said otherwise; multiply by mask.sum() to accumulate over
-    micro-batches):
-      is_weight_mean, is_weight_max: of the weights applied, over kept tokens (max: reduce
-        by max, 0 when nothing is kept);
-      frac_truncated: tokens whose weight was truncated at cap (tis);
-      frac_masked: tokens dropped (decoupled, rejection);
-      rollout_trainer_kl: k3 estimate of KL(mu || pi_old), mean of exp(d) - d - 1 with
-        d = old - rollout (clamped as `low_var_kl`);
-      rollout_trainer_k1: mean of rollout - old.
+    the rollout/trainer metrics are left out). Metrics are python floats of the global batch
+    (means over the input `mask` tokens unless said otherwise):
+      is_weight_mean, is_weight_max, ess: of the weights applied, over the kept tokens (ess:
+        (sum w)^2 / (n sum w^2), in (0, 1], 1 when all are equal);
+      frac_truncated (tis, truncate), frac_zeroed (icepop), frac_masked (tokens dropped),
+      frac_seq_masked (of non-empty sequences, those with a token dropped),
+      rs_<statistic>_<level>_frac_masked: tokens each rejection criterion drops,
+      batch_norm_factor: the mean the weights were divided by;
+      diagnostics (rollout_correction.finish_diagnostics): ppo_kl (= rollout_trainer_k1, the
+        mean of log mu - log pi_old), rollout_trainer_kl (k3), training_ppl, rollout_ppl,
+        their logs, log_ppl_diff, ppl_ratio, chi2_token, chi2_seq, ess_raw.
     """
     fn = OFF_POLICY.get(mode)
+    spec, criteria = as_is_weights(is_weights), as_rejection(rejection)
+    raise_problems(mode_problems(mode, spec, criteria), "algorithm.off_policy")
+    if spec is not None:
+        raise_problems(is_weights_problems(spec), "algorithm.off_policy.is_weights")
+    raise_problems(rejection_problems(criteria), "algorithm.off_policy.rejection")
     keep = mask.bool()
     m = keep.float()
     have_both = old_logprob is not None and rollout_logprob is not None
     if have_both:
         log_ratio = old_logprob.detach().float() - rollout_logprob.detach().float()
-    elif mode in ("none", "bypass"):
+    elif mode in ("none", "bypass") and spec is None and not criteria:
         log_ratio = torch.zeros_like(m)
     else:
-        raise ValueError(f"off-policy mode {mode!r} needs both old_logprob and rollout_logprob")
+        raise ValueError(f"off-policy mode {mode!r} (with its is_weights and rejection) needs both old_logprob and rollout_logprob")
     with torch.no_grad():
-        log_w = level_log_ratio(log_ratio, keep, level)
-        decision = fn(log_w, keep, cap)
-        kept = (decision.keep & keep).float()
-        weights = torch.where(kept.bool(), decision.weights.float(), torch.zeros_like(m))
-        n = m.sum().clamp(min=1.0)
-        n_kept = kept.sum()
-        metrics = {
-            "is_weight_mean": (weights.sum() / n_kept.clamp(min=1.0)).item(),
-            "is_weight_max": weights.max().item() if weights.numel() else 0.0,
-            "frac_truncated": 0.0 if decision.truncated is None else (decision.truncated & keep).float().sum().div(n).item(),
-            "frac_masked": ((m - kept).sum() / n).item(),
-        }
-        if have_both:
-            safe_old = torch.where(keep, old_logprob.detach().float(), 0.0)
-            safe_rollout = torch.where(keep, rollout_logprob.detach().float(), 0.0)
-            k3 = kl_low_var(safe_rollout, safe_old)
-            metrics["rollout_trainer_kl"] = ((k3 * m).sum() / n).item()
-            k1 = (safe_rollout - safe_old).nan_to_num(0.0).clamp(-_LOG_CLAMP, _LOG_CLAMP)
-            metrics["rollout_trainer_k1"] = ((k1 * m).sum() / n).item()
-    return OffPolicyCorrection(weights=weights, mask=kept, metrics=metrics, use_rollout_as_old=decision.use_rollout_as_old)
+        decision = fn(level_log_ratio(log_ratio, keep, level), keep, cap)
+        kept = decision.keep & keep
+        weights = decision.weights.float()
+        passes = {c.name: criterion_passes(log_ratio, keep, c) for c in criteria}
+        for p in passes.values():
+            kept = kept & p
+        totals = Totals(m.device, world_size)
+        norm_factor = None
+        if spec is not None:
+            is_out = importance_weights(log_ratio, keep, spec)
+            weights = weights * is_out.weights
+            if spec.batch_normalize:
+                weights, norm_factor = batch_normalize(weights, kept, spec.level, world_size)
+            totals.add("truncated", (is_out.truncated & keep).sum())
+            totals.add("zeroed", (is_out.zeroed & kept).sum())
+        weights = torch.where(kept, weights, torch.zeros_like(m))
+        if decision.truncated is not None:
+            totals.add("truncated", (decision.truncated & keep).sum())
+        totals.add("tokens", m.sum())
+        totals.add("kept", kept.sum())
+        totals.add("w", weights.sum())
+        totals.add("w2", weights.double().square().sum())
+        totals.max("w_max", weights[kept])
+        has = keep.any(-1)
+        totals.add("seqs", has.sum())
+        totals.add("seqs_masked", (has & (keep & ~kept).any(-1)).sum())
+        for name, p in passes.items():
+            totals.add(f"rs_{name}", (keep & ~p).sum())
+        add_diagnostics(totals, old_logprob, rollout_logprob, keep)
+        t = totals.reduce()
+    n, n_kept = t["tokens"], t["kept"]
+    metrics = {
+        "is_weight_mean": ratio(t["w"], n_kept),
+        "is_weight_max": t["w_max"],
+        "ess": ratio(t["w"] ** 2, n_kept * t["w2"]),
+        "frac_truncated": ratio(t.get("truncated", 0.0), n),
+        "frac_masked": ratio(n - n_kept, n),
+        "frac_seq_masked": ratio(t["seqs_masked"], t["seqs"]),
+    }
+    if spec is not None:
+        metrics["frac_zeroed"] = ratio(t["zeroed"], n)
+    if norm_factor is not None:
+        metrics["batch_norm_factor"] = norm_factor
+    metrics.update({f"rs_{name}_frac_masked": ratio(t[f"rs_{name}"], n) for name in passes})
+    metrics.update(finish_diagnostics(t, n))
+    return OffPolicyCorrection(weights=weights, mask=kept.float(), metrics=metrics, use_rollout_as_old=decision.use_rollout_as_old)

@@ -4,7 +4,7 @@ Each loss is registered by its line in catalog.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -19,6 +19,11 @@ class LossParams:
     - `cispo_clip_low`, `cispo_clip_high`: CISPO's IS-weight bounds [1 - low, 1 + high].
       `None` (default) means: no lower bound (the weight is only kept >= 0, as MiniMax-M1) and
       the upper bound 1 + `clip_ratio_high`.
+    - The losses from the rest of verl's catalogue (policy_losses_verl.py, policy_losses_cov.py)
+      read `sapo_tau_pos/neg` (SAPO), `dro_beta` (DRO), `dppo_is_cap` (DPPO-TV/KL),
+      `clip_cov_ratio/lb/ub` (Clip-Cov), `kl_cov_ratio`, `kl_cov_coef` (KL-Cov) and
+      `reinforce_is_cap/level` (REINFORCE with IS weights); defaults are verl's, each field
+      is described on `AlgorithmConfig` (src/ratchet/config/schema.py) under the same name.
     """
 
     clip_ratio_low: float = 0.2
@@ -26,6 +31,24 @@ class LossParams:
     clip_ratio_c: float = 3.0
     cispo_clip_low: float | None = None
     cispo_clip_high: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    dro_beta: float = 0.1
+    dppo_is_cap: float = 20.0
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 0.1
+    reinforce_is_cap: float = 2.0
+    reinforce_is_level: str = "token"
+
+    @classmethod
+    def from_algorithm(cls, alg: object) -> "LossParams":
+        """The fields of the config's `algorithm` section with the same names (read by
+        attribute, so a pydantic-free config view works); a field the section lacks keeps
+        its default."""
+        return cls(**{f.name: getattr(alg, f.name, f.default) for f in fields(cls)})
 
 
 @dataclass

@@ -26,8 +26,9 @@ from pydantic_core import ErrorDetails
 from ratchet.config import credentials
 from ratchet.config.dataset_check import check_data
 from ratchet.config.schema import RunConfig
+from ratchet.config.sections import section_at
 from ratchet.data.files import DatasetFileError, dataset_format
-from ratchet.tasks.loading import RewardLoadError, load_reward_fn
+from ratchet.tasks.loading import RewardLoadError, load_filter_fn, load_reward_fn
 
 __all__ = ["ConfigError", "Issue", "config_to_yaml", "load_config", "validate_config"]
 
@@ -253,14 +254,7 @@ def _missing(loc: tuple[Any, ...]) -> str:
 
 def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The schema model that `loc` points at, or None when it points at a plain value."""
-    model: type[BaseModel] = RunConfig
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        annotation = field.annotation if field is not None else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    return model
+    return section_at(RunConfig, loc)
 
 
 def _field_at(loc: tuple[Any, ...]) -> FieldInfo | None:
@@ -319,8 +313,17 @@ def _resolve_paths(cfg: RunConfig) -> RunConfig:
         function = f"{_absolute(target)}:{fn_name}" if sep and target.endswith(".py") else function
     reward_model = _absolute(cfg.reward.model_path) if cfg.reward.model_path else None
     critic_model = _absolute(cfg.critic.model_path) if cfg.critic.model_path else None
+    safety = cfg.safety.model_copy(
+        update={
+            "cost_function": _absolute_function(cfg.safety.cost_function),
+            "cost_model_path": _absolute(cfg.safety.cost_model_path) if cfg.safety.cost_model_path else None,
+        }
+    )
+    rollout = cfg.rollout.model_copy(update={"filter": _absolute_function(cfg.rollout.filter)})
     return cfg.model_copy(
         update={
+            "safety": safety,
+            "rollout": rollout,
             "model": cfg.model.model_copy(update={"path": _absolute(cfg.model.path)}),
             "data": data,
             "storage": storage,
@@ -330,10 +333,19 @@ def _resolve_paths(cfg: RunConfig) -> RunConfig:
     )
 
 
+def _absolute_function(spec: str | None) -> str | None:
+    """'path/to/file.py:function' with the path made absolute; 'module:function' as it is."""
+    if spec is None:
+        return None
+    target, sep, fn_name = spec.rpartition(":")
+    return f"{_absolute(target)}:{fn_name}" if sep and target.endswith(".py") else spec
+
+
 def _check_files(cfg: RunConfig) -> list[Issue]:
     """Checks against this machine: the model, the datasets and the reward function must be usable."""
     issues: list[Issue] = []
     models = [("model.path", cfg.model.path), ("reward.model_path", cfg.reward.model_path), ("critic.model_path", cfg.critic.model_path)]
+    models.append(("safety.cost_model_path", cfg.safety.cost_model_path))
     for field, name in models:
         if name is None:
             continue
@@ -360,6 +372,20 @@ def _check_files(cfg: RunConfig) -> list[Issue]:
             load_reward_fn(cfg.reward.function)
         except RewardLoadError as exc:
             issues.append(("reward.function", str(exc)))
+    if cfg.safety.cost_function is not None:
+        try:
+            load_reward_fn(cfg.safety.cost_function)  # the reward function's contract
+        except RewardLoadError as exc:
+            issues.append(("safety.cost_function", str(exc)))
+    if cfg.rollout.filter is not None:
+        try:
+            load_filter_fn(cfg.rollout.filter)
+        except RewardLoadError as exc:
+            issues.append(("rollout.filter", str(exc)))
+    if cfg.rollout.multi_turn.enabled:  # the tool classes import and build (a tool of your own included)
+        from ratchet.tools.config import tool_issues
+
+        issues += tool_issues(cfg.rollout.multi_turn.tools)
     return issues
 
 

@@ -24,4 +24,5 @@ def loop_plan(cfg) -> LoopPlan:
         checkpoint_every=cfg.checkpoint.every,
         continue_as_new_every=cfg.loop.continue_as_new_every,
         heartbeat_timeout_s=cfg.loop.heartbeat_timeout_s,
+        safe_lambda=cfg.safety.lambda_init if cfg.uses_safety else None,
     )

@@ -16,10 +16,13 @@ import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Discriminator, Tag
 
 # The catalogs (names and estimator flags, engines, storage schemes, loop modes) import no
 # torch, so validating a config does not either (tests/unit/test_config.py checks it).
 from ratchet.algorithms.catalog import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
+from ratchet.algorithms.off_policy_settings import as_is_weights, as_rejection, criterion_problems, is_weights_problems, mode_problems
+from ratchet.algorithms.off_policy_settings import rejection_problems
 from ratchet.config.placement_plan import POOL_ROLES, placement_problems, problems_text
 from ratchet.storage import schemes
 from ratchet.storage.layout import RunLayout
@@ -134,6 +137,60 @@ class SGLangOptions(Section):
     )
 
 
+class MultiTurnConfig(Section):
+    """rollout.multi_turn: conversations in which the model calls tools (docs/multi_turn.md,
+    workers/multi_turn.py); verl's tool config layout (tools: class_name, config, tool_schema)."""
+
+    enabled: bool = Field(False, description="Roll out conversations with tool calls instead of single responses.")
+    max_turns: int = Field(4, ge=1, le=64, description="Most model turns per conversation (a call in the last one is not run).")
+    max_tool_response_tokens: int = Field(
+        64, gt=0, description="A tool's answer is cut to this many tokens before it joins the conversation."
+    )
+    format: Literal["hermes", "words"] = Field(
+        "hermes",
+        description="How the model writes a call: hermes <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
+        "(verl, Qwen); words NAME : ARGS = for vocabularies without tags (the tiny digit model).",
+    )
+    observation_template: str | None = Field(
+        None,
+        description="Text around a tool's answer, with {result} where it goes; null: the format's "
+        "(hermes: <tool_response>\\n{result}\\n</tool_response>\\n, words: {result}).",
+    )
+    tools_config: str | None = Field(
+        None,
+        description="A tool config YAML in verl's layout (tools: [{class_name, config, tool_schema}]); read when the "
+        "config is loaded and kept in `tools`, so the run does not need the file again.",
+    )
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list, description="The tools, in the layout of the tool config's tools: list (filled from tools_config)."
+    )
+
+    @field_validator("observation_template")
+    @classmethod
+    def _has_result(cls, template: str | None) -> str | None:
+        if template is not None and "{result}" not in template:
+            raise ValueError("rollout.multi_turn.observation_template must contain {result}, where the tool's answer goes")
+        return template
+
+    @model_validator(mode="after")
+    def _tools_from_file(self) -> "MultiTurnConfig":
+        from pathlib import Path
+
+        from ratchet.tools.config import absolute_class_paths, load_tools_file, parse_tools
+
+        if self.tools:
+            specs = parse_tools({"tools": self.tools}, "rollout.multi_turn.tools")
+        elif self.tools_config is not None:
+            specs = load_tools_file(self.tools_config)
+            object.__setattr__(self, "tools_config", str(Path(self.tools_config).expanduser().resolve()))
+        elif self.enabled:
+            raise ValueError("rollout.multi_turn.enabled needs tools: set rollout.multi_turn.tools_config to a tool config YAML")
+        else:
+            return self
+        object.__setattr__(self, "tools", [spec.as_dict() for spec in absolute_class_paths(specs)])
+        return self
+
+
 class RolloutConfig(Section):
     engine: str = Field("hf", description=f"Generation engine, by registered name: {', '.join(ENGINES.names())}.")
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="Options of the vLLM engine.")
@@ -152,6 +209,14 @@ class RolloutConfig(Section):
         "goes on with the new weights (each token records its version) instead of the sync waiting for it to finish. "
         "Off in a deterministic run, where the decode step a sync lands on would depend on timing.",
     )
+    filter: str | None = Field(
+        None,
+        description="Rollout filter: a function 'module:function' or 'path/to/file.py:function' called on each generated "
+        "sample as fn(prompt, response, data_source, extra_info) -> bool | dict; False (or {'keep': False}) drops the "
+        "sample from the loss and its normaliser, {'keep': True, 'reward': x} keeps it with reward x (docs/algorithms.md, "
+        "Rollout filters); null: every sample is kept.",
+    )
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn tool rollouts.")
 
 
     @field_validator("engine")
@@ -207,12 +272,67 @@ class KLConfig(Section):
         return KL_ESTIMATORS.check(name)
 
 
+def _off_policy_problems(problems: list[tuple[str, str]]) -> None:
+    if problems:
+        raise ValueError("; ".join(f"{name}: {message}" for name, message in problems))
+
+
+class ISWeightsConfig(Section):
+    """algorithm.off_policy.is_weights: importance weights pi_old / mu multiplied into the policy loss (verl's rollout_is)."""
+
+    level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="Weight per token, per sequence (product of the ratios), or per sequence (their geometric mean)."
+    )
+    kind: Literal["truncate", "icepop"] = Field(
+        "truncate", description="truncate: clamp into [low, high] (TIS); icepop: weight 0 outside [low, high] (IcePop, Ring-1T)."
+    )
+    low: float | None = Field(None, gt=0, description="Lower bound on the weight; null: none (truncate only; icepop needs it, e.g. 0.5).")
+    high: float | None = Field(2.0, gt=0, description="Upper bound on the weight (TIS e.g. 2.0; IcePop's paper 5.0).")
+    batch_normalize: bool = Field(False, description="Divide the weights by their batch mean (over kept tokens, or sequences at sequence levels).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ISWeightsConfig":
+        _off_policy_problems(is_weights_problems(as_is_weights(self)))
+        return self
+
+
+class RejectionCriterionConfig(Section):
+    """One item of algorithm.off_policy.rejection: drop what has its statistic outside [low, high]."""
+
+    statistic: Literal["ratio", "k2", "k3"] = Field(
+        description="ratio: pi_old / mu; k2: (log ratio)^2 / 2; k3: ratio - 1 - log ratio (both >= 0, 0 when on-policy)."
+    )
+    level: Literal["token", "seq_sum", "seq_mean", "seq_max"] = Field(
+        "token", description="token drops tokens; seq_sum/seq_mean/seq_max aggregate over the sequence and drop it whole (ratio: product, geometric mean)."
+    )
+    low: float | None = Field(None, ge=0, description="Keep only what is >= low; null: no lower bound.")
+    high: float | None = Field(None, ge=0, description="Keep only what is <= high; null: no upper bound.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "RejectionCriterionConfig":
+        _off_policy_problems(criterion_problems(as_rejection([self])[0]))
+        return self
+
+
 class OffPolicyConfig(Section):
     mode: str = Field("none", description="Correction for samples from an older policy: none, tis, decoupled, bypass, rejection.")
     cap: float = Field(2.0, gt=1, description="Importance-weight cap (truncation, masking or rejection threshold).")
     level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="Importance weights per token, per sequence (product), or per sequence (geometric mean)."
     )
+    is_weights: ISWeightsConfig | None = Field(
+        None, description="IS weights pi_old / mu (truncated or IcePop) on top of mode none or rejection; null: none."
+    )
+    rejection: list[RejectionCriterionConfig] = Field(
+        default_factory=list, description="Rejection criteria, all of which a token or sequence must pass to be trained on."
+    )
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "OffPolicyConfig":
+        criteria = as_rejection(self.rejection)
+        repeats = [(f"rejection.{name}", message) for name, message in rejection_problems(criteria)]
+        _off_policy_problems(mode_problems(self.mode, as_is_weights(self.is_weights), criteria) + repeats)
+        return self
 
     @field_validator("mode")
     @classmethod
@@ -234,6 +354,22 @@ class AlgorithmConfig(Section):
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound is 1 - clip_ratio_low.")
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound is 1 + clip_ratio_high (DAPO clip-higher).")
     clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip constant for negative advantages (dual_clip loss).")
+    # The rest of verl's catalogue (docs/algorithms.md); defaults are verl's.
+    sapo_tau_pos: float = Field(1.0, gt=0, description="sapo loss: gate temperature for tokens with A > 0 (verl actor.tau_pos).")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="sapo loss: gate temperature for tokens with A <= 0 (verl actor.tau_neg).")
+    dro_beta: float = Field(0.1, gt=0, description="dro loss: weight beta of the quadratic penalty (beta/2)(log pi - log pi_old)^2.")
+    dppo_is_cap: float = Field(
+        20.0, gt=0, description="dppo_tv / dppo_kl losses: truncation cap of the IS weight (verl reads clip_ratio_c, falling back to 20)."
+    )
+    clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="clip_cov loss: fraction of the micro-batch's tokens whose gradient is cut.")
+    clip_cov_lb: float = Field(1.0, description="clip_cov loss: a token is a candidate when its covariance is above this...")
+    clip_cov_ub: float = Field(5.0, description="clip_cov loss: ...and below this.")
+    kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="kl_cov loss: fraction of the micro-batch's tokens given the KL penalty.")
+    kl_cov_coef: float = Field(0.1, ge=0, description="kl_cov loss: weight of the |log r| penalty (verl policy_loss.ppo_kl_coef).")
+    reinforce_is_cap: float = Field(2.0, gt=0, description="reinforce_is loss: truncation cap of the IS weight (verl rollout_is_threshold).")
+    reinforce_is_level: Literal["token", "sequence"] = Field(
+        "token", description="reinforce_is loss: IS weight per token, or one per sequence (product of the token ratios)."
+    )
     loss_agg_mode: str = Field("token-mean", description="How token losses become one number, by registered name.")
     entropy_coeff: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     kl: KLConfig = Field(default_factory=KLConfig)
@@ -259,12 +395,82 @@ class AlgorithmConfig(Section):
     def _known_agg(cls, name: str) -> str:
         return LOSS_AGGREGATIONS.check(name)
 
+    @model_validator(mode="after")
+    def _clip_cov_bounds(self) -> "AlgorithmConfig":
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(
+                f"algorithm.clip_cov_lb ({self.clip_cov_lb}) must be below algorithm.clip_cov_ub ({self.clip_cov_ub}): "
+                "Clip-Cov selects tokens whose covariance lies between them"
+            )
+        return self
+
 
 class CriticConfig(Section):
     model_path: str | None = Field(None, description="Backbone of the critic (a causal LM folder); null uses model.path.")
     lr: float = Field(1e-3, gt=0, description="Critic learning rate.")
     cliprange_value: float = Field(0.5, gt=0, description="Value clipping range around the old values.")
     ppo_epochs: int = Field(1, ge=1, description="Critic passes over each batch.")
+    warmup_steps: int = Field(
+        0, ge=0, description="verl's critic_warmup: the first warmup_steps updates train the critic only (the policy stays as it is)."
+    )
+
+
+class SafetyConfig(Section):
+    """safety: Safe-RLHF (Dai et al. 2023): a cost kept under a budget by a Lagrange
+    multiplier (docs/algorithms.md, Safe-RLHF). On when a cost function or model is set."""
+
+    cost_function: str | None = Field(
+        None,
+        description="Rule-based cost as 'module:function' or 'path/to/file.py:function', with the reward function's "
+        "signature compute_cost(data_source, solution_str, ground_truth, extra_info=None) -> float | dict; null for none.",
+    )
+    cost_model_path: str | None = Field(
+        None, description="Folder of a cost model (AutoModelForSequenceClassification, one label; higher is less safe); null for none."
+    )
+    budget: float = Field(0.0, description="The cost limit d: the multiplier rises while the batch's mean cost exceeds it.")
+    lambda_init: float = Field(1.0, ge=0, description="Initial Lagrange multiplier (> 0 with lambda_update=log).")
+    lambda_lr: float = Field(0.1, ge=0, description="Step size of the multiplier's update (0 keeps it fixed).")
+    lambda_max: float | None = Field(None, gt=0, description="Upper bound of the multiplier; null: none.")
+    lambda_update: Literal["projected", "log"] = Field(
+        "projected",
+        description="projected: lambda <- max(0, lambda + lambda_lr (mean cost - budget)); log: a gradient step on "
+        "log lambda, as PKU-Alignment/safe-rlhf does (stays > 0, moves multiplicatively).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.cost_function is not None or self.cost_model_path is not None
+
+
+class LoraConfig(Section):
+    """trainer.lora: train low-rank adapters (peft) on a frozen base instead of the whole policy (docs/lora.md)."""
+
+    rank: int = Field(0, ge=0, description="Adapter rank r; 0 trains the whole policy (no LoRA).")
+    alpha: float = Field(16.0, gt=0, description="Adapter scale numerator: an adapted weight is W + (alpha / rank) * B @ A.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Linear layers that get adapters, by module name (e.g. [q_proj, v_proj]), or all-linear: every "
+        "linear layer but the output head.",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training (0 to 1).")
+    quantize: Literal["4bit"] | None = Field(
+        None,
+        description="QLoRA: load the frozen base in 4-bit NF4 with bitsandbytes (CUDA only; one trainer rank); null: "
+        "the base in model.dtype.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError('trainer.lora.target_modules is empty; name some linear layers (e.g. [q_proj, v_proj]) or use "all-linear"')
+        return value
+
+    @model_validator(mode="after")
+    def _quantize_needs_adapters(self) -> "LoraConfig":
+        if self.quantize is not None and self.rank == 0:
+            raise ValueError("trainer.lora.quantize needs adapters to train: set trainer.lora.rank > 0 (e.g. 16), or quantize=null")
+        return self
 
 
 class TrainerConfig(Section):
@@ -299,6 +505,25 @@ class TrainerConfig(Section):
         description="Recompute each decoder layer's activations in the backward pass instead of keeping them: less "
         "memory for about one more forward pass.",
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full training (rank 0: off).")
+
+    @model_validator(mode="after")
+    def _qlora_placement(self) -> "TrainerConfig":
+        """QLoRA's 4-bit kernels (bitsandbytes) are CUDA-only, and 4-bit weights cannot be
+        sharded with FSDP2 here: refused at submit, not when the trainer starts."""
+        if self.lora.quantize is None:
+            return self
+        if self.device == "cpu":
+            raise ValueError(
+                'trainer.lora.quantize="4bit" (QLoRA) needs CUDA (bitsandbytes has no CPU 4-bit kernels) but trainer.device '
+                "is cpu; set trainer.device=cuda (or auto on a GPU machine), or trainer.lora.quantize=null"
+            )
+        if self.world_size > 1:
+            raise ValueError(
+                'trainer.lora.quantize="4bit" (QLoRA) runs on one trainer rank: 4-bit weights are not sharded with FSDP2 here; '
+                "set trainer.world_size=1 or trainer.lora.quantize=null"
+            )
+        return self
 
 
 class WarmupConfig(Section):
@@ -472,6 +697,99 @@ class TrackingConfig(Section):
         return uri
 
 
+# --------------------------------------------------------------------------- pipeline stages
+# `stages:` makes the run a pipeline (docs/pipelines.md): each stage starts from the model the
+# stage before it ended with. sft and dpo stages have their own data and optimiser settings;
+# an rl stage is this config's RL run, with its own overrides.
+
+
+class SftData(Section):
+    """stages[].data of an sft stage: chat conversations (verl's multi-turn SFT layout)."""
+
+    train_files: str = Field(description="Conversations: a .parquet, .jsonl/.json or save_to_disk dataset with a messages column.")
+    eval_files: str | None = Field(None, description="Held-out conversations for the stage's eval loss; null: none.")
+    messages_key: str = Field("messages", description="Column of chat messages [{role, content}]; the loss covers the assistant turns.")
+
+
+class PreferenceData(Section):
+    """stages[].data of a dpo stage: preference pairs (TRL's layout)."""
+
+    train_files: str = Field(description="Pairs: a .parquet, .jsonl/.json or save_to_disk dataset with prompt, chosen, rejected.")
+    eval_files: str | None = Field(None, description="Held-out pairs for preference accuracy and reward margin; null: none.")
+    prompt_key: str = Field("prompt", description="Column of the prompt: chat messages or a string (one user message).")
+    chosen_key: str = Field("chosen", description="Column of the preferred completion: assistant messages or a string.")
+    rejected_key: str = Field("rejected", description="Column of the other completion: assistant messages or a string.")
+
+
+class SupervisedStageBase(Section):
+    steps: int = Field(ge=1, le=MAX_STEPS, description="Optimiser steps of the stage.")
+    batch_size: int = Field(16, ge=1, description="Conversations (sft) or pairs (dpo) per step.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[UnitInterval, UnitInterval] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    max_length: int = Field(512, gt=0, description="Longest sequence (prompt and answer) in tokens; a longer row is an error.")
+    eval_size: int = Field(256, gt=0, description="How many held-out rows to evaluate (the first ones, in file order).")
+    chunk_steps: int = Field(
+        20, ge=1, description="Steps per activity, each ending with a checkpoint: a crash redoes at most this many steps."
+    )
+
+
+class SftStage(SupervisedStageBase):
+    """A supervised fine-tuning stage: token cross-entropy on the assistant turns."""
+
+    kind: Literal["sft"] = Field(description="sft: supervised fine-tuning on chat conversations.")
+    data: SftData
+
+
+class DpoStage(SupervisedStageBase):
+    """A preference stage: DPO or a variant against the stage's starting model, frozen."""
+
+    kind: Literal["dpo"] = Field(description="dpo: preference optimisation on (prompt, chosen, rejected) pairs.")
+    data: PreferenceData
+    loss: str = Field("sigmoid", description="Preference loss by registered name: sigmoid (DPO), ipo, simpo (no reference).")
+    beta: float = Field(0.1, gt=0, description="DPO/IPO/SimPO beta: the implicit reward's scale (IPO: the target margin is 1/(2 beta)).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative DPO / SimPO: probability that a label is flipped.")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO: target reward margin gamma (TRL's simpo_gamma).")
+
+    @field_validator("loss")
+    @classmethod
+    def _known_preference_loss(cls, name: str) -> str:
+        from ratchet.algorithms.catalog import PREFERENCE_LOSSES
+
+        return PREFERENCE_LOSSES.check(name)
+
+
+class RlStage(Section):
+    """An RL stage: this config's RL run (rollout, reward, algorithm, loop, ...) from the
+    previous stage's model, with `overrides` for this stage alone."""
+
+    kind: Literal["rl"] = Field(description="rl: the run's RL loop (TrainingWorkflow) from the previous stage's model.")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keys of this config that differ for this stage, nested (loop: {steps: 3}) or dotted ('loop.steps': 3).",
+    )
+
+
+def _stage_kind(value: Any) -> str | None:
+    return value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+
+
+# Chosen by `kind` (a callable discriminator: Section's mode="before" check on every field
+# rules out pydantic's field discriminator); an unknown kind is one error naming the three.
+Stage = Annotated[
+    Annotated[SftStage, Tag("sft")] | Annotated[DpoStage, Tag("dpo")] | Annotated[RlStage, Tag("rl")],
+    Discriminator(_stage_kind, custom_error_type="stage_kind", custom_error_message="kind must be one of: sft, dpo, rl"),
+]
+
+
+def stage_model(data: dict[str, Any]) -> SftStage | DpoStage | RlStage:
+    """A stage's config (as stored) validated back into its model."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(Stage).validate_python(data)
+
+
 class RunConfig(Section):
     """A whole training run. YAML plus dotted overrides, merged with OmegaConf."""
 
@@ -490,12 +808,18 @@ class RunConfig(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    safety: SafetyConfig = Field(default_factory=SafetyConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    stages: list[Stage] = Field(
+        default_factory=list,
+        description="A pipeline (docs/pipelines.md): stages run in order (kind sft, dpo or rl), each from the model the "
+        "stage before ended with, the first from model.path; empty: one RL run.",
+    )
 
     @property
     def uses_partial_rollouts(self) -> bool:
@@ -505,6 +829,15 @@ class RunConfig(Section):
     @property
     def uses_critic(self) -> bool:
         return ADV_ESTIMATORS.get(self.algorithm.adv_estimator).needs_critic
+
+    @model_validator(mode="after")
+    def _critic_warmup_needs_critic(self) -> "RunConfig":
+        if self.critic.warmup_steps and not self.uses_critic:
+            raise ValueError(
+                f"critic.warmup_steps={self.critic.warmup_steps} needs a critic, and adv_estimator="
+                f"{self.algorithm.adv_estimator!r} trains none: set critic.warmup_steps=0 or algorithm.adv_estimator=gae"
+            )
+        return self
 
     @model_validator(mode="after")
     def _groups_need_members(self) -> "RunConfig":
@@ -522,6 +855,43 @@ class RunConfig(Section):
             )
         if self.algorithm.kl.target is not None and self.algorithm.kl.coef == 0:
             raise ValueError("algorithm.kl.coef must be > 0 when algorithm.kl.target is set (the adaptive controller scales it)")
+        return self
+
+    @property
+    def uses_safety(self) -> bool:
+        """Safe-RLHF: a cost (function or model) is configured."""
+        return self.safety.enabled
+
+    @model_validator(mode="after")
+    def _safety_fits(self) -> "RunConfig":
+        """Safe-RLHF needs the cost's own advantage from the same estimator: no cost critic
+        or greedy cost baseline exists, so estimators that need one are refused."""
+        if not self.uses_safety:
+            return self
+        estimator = ADV_ESTIMATORS.get(self.algorithm.adv_estimator)
+        if estimator.needs_critic or estimator.needs_baseline:
+            needs = "a critic" if estimator.needs_critic else "a greedy baseline"
+            raise ValueError(
+                f"safety (Safe-RLHF) with algorithm.adv_estimator={self.algorithm.adv_estimator!r}: that estimator needs "
+                f"{needs}, and ratchet has none for the cost; use a critic-free estimator without a baseline (grpo, rloo, "
+                "reinforce_plus_plus_baseline, reinforce_plus_plus) or unset safety.cost_function and safety.cost_model_path"
+            )
+        if self.safety.lambda_update == "log" and self.safety.lambda_init == 0:
+            raise ValueError("safety.lambda_init must be > 0 with safety.lambda_update=log (log 0 is -inf: it would never move)")
+        if self.safety.lambda_max is not None and self.safety.lambda_init > self.safety.lambda_max:
+            raise ValueError(f"safety.lambda_init={self.safety.lambda_init} is above safety.lambda_max={self.safety.lambda_max}")
+        return self
+
+    @model_validator(mode="after")
+    def _stages_fit(self) -> "RunConfig":
+        """Each rl stage's config (this one plus its overrides) must be a valid run, and a
+        model handed from stage to stage must exist (config/pipeline_plan.py)."""
+        if self.stages:
+            from ratchet.config.pipeline_plan import stage_problems
+
+            problems = stage_problems(self)
+            if problems:
+                raise ValueError("; ".join(problems))
         return self
 
     @model_validator(mode="after")

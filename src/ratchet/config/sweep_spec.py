@@ -36,6 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ratchet.config.loader import ConfigError, Issue, load_config, validate_config
+from ratchet.config.sections import section_in
 from ratchet.config.schema import RunConfig
 from ratchet.config.sweep_search import grid_points, grid_size, random_point
 
@@ -210,14 +211,13 @@ def _config_key_problem(key: str) -> str | None:
             where = ".".join(parts[:i]) or "the config"
             hint = f"; did you mean {'.'.join([*parts[:i], near[0]])}?" if near else f" (keys of {where}: {', '.join(sorted(fields))})"
             return f"not a run config key{hint}"
-        ann = fields[part].annotation
+        section = section_in(fields[part].annotation)  # X, or an optional X | None
         last = i == len(parts) - 1
-        is_section = isinstance(ann, type) and issubclass(ann, BaseModel)
-        if last and is_section:
-            return f"is a section; name one of its keys, e.g. {key}.{next(iter(ann.model_fields))}"
-        if not last and not is_section:
+        if last and section is not None:
+            return f"is a section; name one of its keys, e.g. {key}.{next(iter(section.model_fields))}"
+        if not last and section is None:
             return f"{'.'.join(parts[: i + 1])} is a value, not a section"
-        model = ann
+        model = section
     return None
 
 

@@ -14,8 +14,15 @@ WORDS = ["copy", "reverse", "sort", "add", "+", "=", ":"]
 DIGITS = [str(d) for d in range(10)]
 VOCAB = SPECIAL_TOKENS + DIGITS + WORDS
 
-# Messages are concatenated and followed by " =": the model answers after the '='.
-CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}="
+# Messages are concatenated and followed by " =": the model answers after the '='. An
+# assistant turn renders as "= <answer><eos>", so a conversation with its answers (SFT,
+# preference pairs: src/ratchet/data/conversations.py) extends the prompt's rendering token
+# by token; a prompt alone renders as before ("... =", with or without a generation prompt).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}= {{ m['content'] }}{{ eos_token }}"
+    "{% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt or messages[-1]['role'] != 'assistant' %}={% endif %}"
+)
 
 
 def build_tokenizer():

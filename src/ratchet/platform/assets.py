@@ -36,6 +36,11 @@ def prepare_assets(out_dir: str | Path, *, tasks: tuple[str, ...] = digit_tasks(
             # A different seed: eval prompts are (almost surely) not training prompts.
             write_task_parquet(evals, name, 256, seed=seed + 10_000, min_len=digits, max_len=digits)
         data[name] = (train, evals)
+    if "copy" in tasks and not (out / "copy-pipeline" / "prefs_eval.parquet").is_file():
+        # examples/copy_pipeline.yaml's SFT conversations and DPO pairs (the copy task's questions)
+        from ratchet.tasks.pipeline_data import write_pipeline_data
+
+        write_pipeline_data(out / "copy-pipeline", seed=seed, digits=digits)
     return DemoAssets(model=model, data=data)
 
 

@@ -207,11 +207,15 @@ def _fields(model, prefix: str = ""):
     from pydantic import BaseModel
     from pydantic_core import PydanticUndefined
 
+    from ratchet.config.sections import item_section, section_in
+
     for name, info in model.model_fields.items():
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             yield from _fields(ann, f"{prefix}{name}.")
             continue
+        # An optional section (default null) or a list of sections: its own row, then its keys.
+        inner = section_in(ann) or item_section(ann)
         default = "(required)" if info.default is PydanticUndefined and info.default_factory is None else repr(
             info.default_factory() if info.default_factory else info.default
         )
@@ -220,6 +224,8 @@ def _fields(model, prefix: str = ""):
         else:
             type_name = getattr(ann, "__name__", str(ann)).replace("typing.", "")
         yield f"{prefix}{name}", type_name, default, info.description or ""
+        if inner is not None:
+            yield from _fields(inner, f"{prefix}{name}{'.' if section_in(ann) else '[].'}")
 
 
 @app.command()
@@ -243,6 +249,17 @@ def train(
         raise typer.Exit(2)
     console.print(f"submitted run [bold]{handle.run_id}[/bold]")
     _warn_if_no_worker(client, client.task_queue, "the run is queued and starts when one does")
+    from .pipelines import PipelineHandle, follow_pipeline
+
+    if isinstance(handle, PipelineHandle) and not detach:  # a config with stages: (docs/pipelines.md)
+        from .watch import LEFT_RUNNING
+
+        try:
+            follow_pipeline(handle, console)
+        except KeyboardInterrupt:
+            err.print(LEFT_RUNNING.format(run_id=handle.run_id), soft_wrap=True, highlight=False, markup=False)
+            _flush_and_exit(130)
+        _flush_and_exit(0)
     if detach:
         run_id = handle.run_id
         console.print(f"follow it with `ratchet watch {run_id}`, stop it with `ratchet stop {run_id}`", soft_wrap=True, highlight=False)

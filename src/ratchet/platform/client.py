@@ -227,6 +227,10 @@ class Client:
             data = config.model_dump(mode="json") if isinstance(config, RunConfig) else dict(config)
             cfg = load_config(None, overrides, base=data)
         run_id = run_id or check_id(make_run_id(cfg.tracking.name), "run id made from tracking.name")
+        if cfg.stages:  # a pipeline of stages (src/ratchet/platform/pipelines.py): a PipelineHandle
+            from .pipelines import start_pipeline
+
+            return start_pipeline(self, cfg, run_id)
         inp = TrainingInput(run_id=run_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg))
         self._start_run(inp, memo={"tags": cfg.tracking.tags, "model": cfg.model.path, "steps": cfg.loop.steps})
         return RunHandle(self, run_id)

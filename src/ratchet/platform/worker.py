@@ -158,15 +158,17 @@ def build_worker(client, settings: WorkerSettings, executor: ThreadPoolExecutor)
     from ratchet.activities.nodes import NODE_ACTIVITIES
     from ratchet.activities.sweep_trials import SWEEP_ACTIVITIES
     from ratchet.activities.training import ALL_ACTIVITIES
+    from ratchet.activities.supervised import SUPERVISED_ACTIVITIES
     from ratchet.workflows.launch import ScheduledLaunchWorkflow
+    from ratchet.workflows.pipeline import PipelineWorkflow, SupervisedStageWorkflow
     from ratchet.workflows.sweep import SweepWorkflow
     from ratchet.workflows.training import TrainingWorkflow
 
     return Worker(
         client,
         task_queue=settings.task_queue,
-        workflows=[TrainingWorkflow, SweepWorkflow, ScheduledLaunchWorkflow],
-        activities=[*ALL_ACTIVITIES, *SWEEP_ACTIVITIES, *NODE_ACTIVITIES],
+        workflows=[TrainingWorkflow, SweepWorkflow, ScheduledLaunchWorkflow, PipelineWorkflow, SupervisedStageWorkflow],
+        activities=[*ALL_ACTIVITIES, *SWEEP_ACTIVITIES, *NODE_ACTIVITIES, *SUPERVISED_ACTIVITIES],
         activity_executor=executor,
         max_concurrent_activities=settings.max_concurrent_activities,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_schedule_to_start_seconds),

@@ -1,6 +1,6 @@
 """Rebuild the registry's runs and checkpoints from an object store root.
 
-The object store is the source of truth (DESIGN.md): every run folder holds its config,
+The object store is the source of truth (docs/design.md): every run folder holds its config,
 `metrics.jsonl` and committed checkpoints, so a lost or stale registry is rebuilt from
 them. Lineage (parent, sweep) comes from `lineage.json`, else from the existing row; an ended
 run's status is kept from the existing row. A run without a row is `completed` when it has its final model or

@@ -4,7 +4,7 @@
 and `checkpoints/{name}/MANIFEST.json` (a `manifest.Manifest` of kind CHECKPOINT), written
 last, with each file's size and sha256, the caller's metadata and a timestamp. The keys
 are `RunLayout`'s. A checkpoint without a manifest does not exist
-(DESIGN.md, rule 3): a writer that dies mid-upload leaves only invisible leftovers, which
+(docs/design.md, rule 3): a writer that dies mid-upload leaves only invisible leftovers, which
 `apply_retention` removes later. Readers that must not trust storage blindly (a restore
 after a crash) use `latest()` / `download(verify=True)`, which check every byte against the
 manifest and fall back to the previous good checkpoint.

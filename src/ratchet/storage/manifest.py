@@ -1,7 +1,7 @@
 """One manifest format for every folder committed as a whole: a checkpoint and a model.
 
 A manifest lists each file of the folder with its size and sha256, and is written after
-the last file: a folder without one is incomplete and is never read (DESIGN.md, rule 3).
+the last file: a folder without one is incomplete and is never read (docs/design.md, rule 3).
 `Manifest` is that list plus whatever else the writer records at the top level (a
 checkpoint's format tag, name, step, timestamp and caller's metadata). It is built from
 the bytes or transfers of the uploaded files, serialised for one `Kind`, parsed with the

@@ -8,7 +8,7 @@ callers only ever pass the URL, and endpoints and credentials come from the envi
 
 Writes are atomic: a local folder writes a temporary key and moves it into place, S3 relies
 on PUT and multipart completion being atomic. A reader never sees a half-written object
-and a retried writer simply overwrites its own output (DESIGN.md, rule 2).
+and a retried writer simply overwrites its own output (docs/design.md, rule 2).
 
 Every operation is retried with exponential backoff on transient errors (connection
 refused or reset, timeouts, 5xx, throttling) for up to `retry_timeout_s` seconds (60 by

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ratchet.algorithms import dynamic_sampling_keep, remax_baselines
+from ratchet.algorithms import dynamic_sampling_keep, remax_baselines, response_span_lengths
 from ratchet.storage import BatchStore
 
 from .columns import Fields, Parts, part_name
@@ -42,7 +42,11 @@ class RolloutBatch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+        # The response is context up to its last response token, holes included: tool output
+        # inside a multi-turn response has mask 0 (no loss) but the model saw it.
+        span = response_span_lengths(self.response_mask).unsqueeze(-1)
+        positions = torch.arange(self.response_mask.shape[1], device=span.device)
+        return torch.cat([self.prompt_mask, (positions < span).to(self.prompt_mask.dtype)], dim=1)
 
     def select(self, rows: torch.Tensor | slice) -> "RolloutBatch":
         idx = torch.arange(len(self))[rows]
@@ -85,13 +89,29 @@ class RolloutBatch:
         )
 
 
-def save_scores(store: BatchStore, batch_index: int, rewards: torch.Tensor, extras: list[dict], name: str = Parts.SCORES) -> str:
-    return store.write(batch_index, name, {Fields.REWARD: rewards.float()}, {Fields.EXTRAS: extras})
+def save_scores(
+    store: BatchStore, batch_index: int, rewards: torch.Tensor, extras: list[dict], name: str = Parts.SCORES,
+    costs: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+) -> str:  # fmt: skip
+    """`costs` (Safe-RLHF) and `keep` (a rollout filter's verdicts) are stored only when given."""
+    tensors = {Fields.REWARD: rewards.float()}
+    if costs is not None:
+        tensors[Fields.COST] = costs.float()
+    if keep is not None:
+        tensors[Fields.KEEP] = keep.bool()
+    return store.write(batch_index, name, tensors, {Fields.EXTRAS: extras})
 
 
 def load_scores(store: BatchStore, batch_index: int, name: str = Parts.SCORES) -> tuple[torch.Tensor, list[dict]]:
+    return read_scores(store, batch_index, name)[:2]
+
+
+def read_scores(
+    store: BatchStore, batch_index: int, name: str = Parts.SCORES
+) -> tuple[torch.Tensor, list[dict], torch.Tensor | None, torch.Tensor | None]:
+    """Rewards, extras, and the costs and filter verdicts (None where the run has none)."""
     tensors, meta = store.read(batch_index, name)
-    return tensors[Fields.REWARD], meta[Fields.EXTRAS]
+    return tensors[Fields.REWARD], meta[Fields.EXTRAS], tensors.get(Fields.COST), tensors.get(Fields.KEEP)
 
 
 @dataclass
@@ -101,20 +121,25 @@ class ScoredStep:
     batch: RolloutBatch
     rewards: torch.Tensor  # [B]
     baseline_rewards: torch.Tensor | None  # [B] (ReMax), aligned with batch rows
+    costs: torch.Tensor | None = None  # [B] Safe-RLHF costs (safety.cost_*)
+    keep: torch.Tensor | None = None  # [B] bool, the rollout filter's verdicts (rollout.filter)
 
 
 def load_step(store: BatchStore, batch_index: int, parts: int = 1) -> ScoredStep:
     """The stored batch `batch_index` (its `parts` rollout rounds) as one training step's input."""
     # Padding positions are masked out everywhere, so any valid id (0) can fill them.
     batches = [RolloutBatch.load(store, batch_index, part_name(Parts.ROLLOUT, p)) for p in range(parts)]
-    rewards = torch.cat([load_scores(store, batch_index, part_name(Parts.SCORES, p))[0] for p in range(parts)])
+    rounds = [read_scores(store, batch_index, part_name(Parts.SCORES, p)) for p in range(parts)]
+    rewards = torch.cat([r[0] for r in rounds])
+    costs = torch.cat([r[2] for r in rounds]) if rounds[0][2] is not None else None
+    keep = torch.cat([r[3] for r in rounds]) if rounds[0][3] is not None else None
     batch = RolloutBatch.concat(batches, pad_id=0)
     baseline = None
     if store.has(batch_index, part_name(Parts.BASELINE_SCORES, 0)):
         greedy = [RolloutBatch.load(store, batch_index, part_name(Parts.BASELINE, p)).prompt_index for p in range(parts)]
         scores = [load_scores(store, batch_index, part_name(Parts.BASELINE_SCORES, p))[0] for p in range(parts)]
         baseline = remax_baselines(batch.prompt_index, torch.cat(greedy), torch.cat(scores))
-    return ScoredStep(batch=batch, rewards=rewards, baseline_rewards=baseline)
+    return ScoredStep(batch=batch, rewards=rewards, baseline_rewards=baseline, costs=costs, keep=keep)
 
 
 # -- a batch handed from actor to actor in memory (sync mode's `step` activity) ----------
@@ -142,6 +167,8 @@ class StepScores:
     result: ScoreResult
     baseline_rewards: torch.Tensor | None = None  # [prompts], ReMax
     baseline_extras: list[dict] | None = None
+    costs: torch.Tensor | None = None  # [B], Safe-RLHF
+    keep: torch.Tensor | None = None  # [B] bool, the rollout filter's verdicts
 
 
 @dataclass(frozen=True)
@@ -188,12 +215,12 @@ class HandedStep:
     def load(cls, store: BatchStore, batch_index: int) -> "HandedStep":
         """A stored step read back (a retried step whose trainer kept no handed batch)."""
         batch = RolloutBatch.load(store, batch_index, Parts.ROLLOUT)
-        rewards, extras = load_scores(store, batch_index, Parts.SCORES)
+        rewards, extras, costs, keep = read_scores(store, batch_index, Parts.SCORES)
         baseline, base_rewards, base_extras = None, None, None
         if store.has(batch_index, Parts.BASELINE_SCORES):
             baseline = RolloutBatch.load(store, batch_index, Parts.BASELINE)
             base_rewards, base_extras = load_scores(store, batch_index, Parts.BASELINE_SCORES)
-        scores = StepScores(rewards, extras, score_summary(rewards, batch.prompt_index, 0.0), base_rewards, base_extras)
+        scores = StepScores(rewards, extras, score_summary(rewards, batch.prompt_index, 0.0), base_rewards, base_extras, costs, keep)
         version = int(batch.policy_version[batch.response_mask > 0].min().item()) if batch.response_mask.any() else 0
         return cls(batch=batch, baseline=baseline, scores=scores, policy_version=version)
 
@@ -201,7 +228,8 @@ class HandedStep:
         baseline = None
         if self.baseline is not None:
             baseline = remax_baselines(self.batch.prompt_index, self.baseline.prompt_index, self.scores.baseline_rewards)
-        return ScoredStep(batch=self.batch, rewards=self.scores.rewards, baseline_rewards=baseline)
+        s = self.scores
+        return ScoredStep(batch=self.batch, rewards=s.rewards, baseline_rewards=baseline, costs=s.costs, keep=s.keep)
 
     def save(self, store: BatchStore, batch_index: int) -> None:
         """Store it as part 0 of batch `batch_index` (a retry overwrites the same keys);
@@ -209,7 +237,7 @@ class HandedStep:
         if self.baseline is not None:
             self.baseline.save(store, batch_index, Parts.BASELINE)
         self.batch.save(store, batch_index, Parts.ROLLOUT)
-        save_scores(store, batch_index, self.scores.rewards, self.scores.extras, Parts.SCORES)
+        save_scores(store, batch_index, self.scores.rewards, self.scores.extras, Parts.SCORES, self.scores.costs, self.scores.keep)
         if self.baseline is not None:
             save_scores(store, batch_index, self.scores.baseline_rewards, self.scores.baseline_extras or [], Parts.BASELINE_SCORES)
 

@@ -31,6 +31,12 @@ rebuilds it from the original model path when it is constructed: build the train
 the same `model_path`, then call `load_trainer_state`. Gradients are not saved either (the
 trainer zeroes them at the start of every update).
 
+With LoRA (`trainer.lora.rank > 0`, workers/lora.py) the model and optimizer state are the
+adapters' alone: the frozen base is loaded again from the model path, and
+`trainer_meta.json` records it (`lora`: the base's path and weight fingerprint, the rank,
+alpha and target modules), so a restore onto another base, or with other adapter
+settings, is refused instead of pairing an adapter with weights it was not trained on.
+
 Every rank calls `save_trainer_state` / `load_trainer_state` (and `snapshot` /
 `write_snapshot`): with world size > 1 they are collectives. With world size 1 no process
 group is needed (DCP's no-dist mode).
@@ -71,6 +77,8 @@ import torch
 import torch.distributed as dist
 
 from ratchet.storage import RunLayout
+
+from .lora import adapter_only, check_adapter_loaded, check_restore, checkpoint_record
 
 if TYPE_CHECKING:
     from .policy_update import PolicyTrainer
@@ -155,7 +163,7 @@ def _live_state(trainer: PolicyTrainer, with_optimizer: bool) -> tuple[dict, dic
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=False, cpu_offload=False)
-    model_sd = get_model_state_dict(trainer.model, options=opts)
+    model_sd = adapter_only(trainer.model, get_model_state_dict(trainer.model, options=opts))  # LoRA: the adapters alone
     if with_optimizer:
         # For a fresh optimizer this initialises AdamW's state (a step with zero grads, lr 0).
         optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=opts)
@@ -218,6 +226,7 @@ def snapshot(trainer: PolicyTrainer, extra: dict | None = None) -> TrainerSnapsh
         "param_groups": _param_groups_to_json(optim_sd["param_groups"]),
         "optimizer_state": has_optimizer_state,
         "extra": json.loads(json.dumps(extra or {})),  # a copy, and fails early if not JSON
+        "lora": checkpoint_record(trainer.model),  # LoRA: the base the adapter needs (workers/lora.py); else None
     }
     nbytes = sum(_local(v).numel() * _local(v).element_size() for v in state.values())
     return TrainerSnapshot(state, meta, trainer.rank, trainer.world_size, group, time.perf_counter() - t0, nbytes)
@@ -322,6 +331,7 @@ def load_trainer_state(trainer: PolicyTrainer, local_dir: str | Path) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     meta = read_meta(local_dir)
+    check_restore(trainer.model, meta.get("lora"), str(local_dir))  # an adapter only on its own base
     distributed = _distributed(trainer)
     group = _checkpoint_group() if distributed else None
     model_sd, optim_sd, flat = _live_state(trainer, meta["optimizer_state"])
@@ -333,9 +343,12 @@ def load_trainer_state(trainer: PolicyTrainer, local_dir: str | Path) -> dict:
     reader = HuggingFaceStorageReader(str(local_dir))
     dcp.load(state, storage_reader=reader, process_group=group, no_dist=not distributed)
 
-    opts = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=True)
+    lora = meta.get("lora") is not None  # the adapters alone: the frozen base is not in the checkpoint
+    opts = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=not lora)
     # `flat` holds the very tensors of model_sd / optim_sd, which dcp.load filled in place.
-    set_model_state_dict(trainer.model, model_sd, options=opts)
+    loaded = set_model_state_dict(trainer.model, model_sd, options=opts)
+    if lora:
+        check_adapter_loaded(trainer.model, loaded, str(local_dir))
     if meta["optimizer_state"]:
         groups = _param_groups_from_json(meta["param_groups"], optim_sd["param_groups"])
         set_optimizer_state_dict(trainer.model, trainer.optimizer, {"state": optim_sd["state"], "param_groups": groups}, options=opts)

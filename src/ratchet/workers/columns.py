@@ -26,6 +26,8 @@ class Fields:
     VALUES = "values"  # in VALUES: [B, R]
     ADVANTAGES = "advantages"  # in ADVANTAGES: [B, R]
     RETURNS = "returns"  # in ADVANTAGES: [B, R], the critic's targets
+    COST = "cost"  # in SCORES, Safe-RLHF only (safety.cost_*): [B], the cost of each sample
+    KEEP = "keep"  # in SCORES, with a rollout filter only (rollout.filter): [B] bool, False: dropped from the loss
     SAMPLES = "samples"  # ROLLOUT's header: per row, data_source, ground_truth, extra_info
 
 

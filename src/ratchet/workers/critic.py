@@ -4,7 +4,12 @@ The value of a response token is read at the position that predicts it (the same
 alignment as the policy's logits), so `values[:, t]` estimates the return from response
 token t on. The critic stores its values next to the batch (`values`), the trainer turns
 them into advantages and returns (`advantages`), and the critic then fits the returns with
-the clipped value loss.
+the clipped value loss. The value model's backbone starts where the policy starts
+(`critic_backbone`: the warm-up model when the run has one). With `critic.warmup_steps`
+(verl's `critic_warmup`) the first updates fit the critic only: the policy trainer makes
+its update without an optimizer step (policy_update.py), so the workflow is unchanged.
+docs/algorithms.md ("PPO with a critic, and REINFORCE++, on the copy task") compares all
+this with verl's recipe and gives the measured settings.
 
 The critic's state is part of every checkpoint (`critic/critic.safetensors`: value model
 and AdamW state, tensors only; `critic/critic.json`: the update count and the optimizer's
@@ -54,11 +59,23 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden[:, p - 1 : p - 1 + r]).squeeze(-1).float() * batch.response_mask
 
 
+def critic_backbone(cfg: RunConfig, run_uri: str) -> str:
+    """Where the critic's backbone starts: `critic.model_path`, else where the policy starts
+    (the run's warm-up model when it has a warm-up, else `model.path`), as verl starts the
+    critic from the actor's model. Not `model.path` alone: after a warm-up that is the model
+    before it, whose features know nothing of the answer format the policy was taught."""
+    if cfg.critic.model_path:
+        return cfg.critic.model_path
+    return ObjectStore(run_uri).uri(RunLayout.WARMUP_MODEL) if cfg.warmup.steps > 0 else cfg.model.path
+
+
 class CriticTrainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, backbone: str | None = None):
+        """`backbone`: the causal LM the value model is built on (default
+        `critic.model_path`, else `model.path`; the Ray worker passes `critic_backbone`)."""
         self.cfg = cfg.critic
         torch.manual_seed(cfg.seed)
-        self.model = ValueModel(local_hf_path(cfg.critic.model_path or cfg.model.path))
+        self.model = ValueModel(local_hf_path(backbone or cfg.critic.model_path or cfg.model.path))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic.lr, weight_decay=0.0)
         self.micro_batch_size = cfg.trainer.micro_batch_size
         self.grad_clip = cfg.trainer.grad_clip
@@ -139,7 +156,7 @@ class CriticWorker:
 
     def __init__(self, cfg: RunConfig, run_uri: str):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
-        self.trainer = CriticTrainer(cfg)
+        self.trainer = CriticTrainer(cfg, critic_backbone(cfg, run_uri))
         self.run = ObjectStore(run_uri)
         # A retried train activity must not fit the critic twice on one batch: (batch index, metrics).
         self._updated: tuple[int, dict[str, float]] | None = None

@@ -24,9 +24,13 @@ from .batch import ScoredStep
 from .engines import Engine, SamplingParams, build_engine
 from .policy_update import PolicyTrainer
 from .prompts import PromptSet
+from .rollout_filter import RolloutFilter
+from .multi_turn import MultiTurnRollout
 from .rollout_batching import generate_batch, prompt_indices, sampling_seed
 from .runtime import configure_worker_process
+from .safety import CostScorer, safety_on
 from .scoring import score_batch
+from .lora import sync_view
 from .weight_sync import local_source
 
 if TYPE_CHECKING:
@@ -52,11 +56,17 @@ class LocalLoop:
         self.prompts = PromptSet.from_config(d, d.train_files, self.engine.tokenizer)
         self.eval_prompts = PromptSet.from_config(d, d.eval_files, self.engine.tokenizer) if d.eval_files else None
         self.order_seed = data_order_seed(cfg)  # the workflow's prompt order (data.shuffle, data.seed)
+        self.multi_turn = MultiTurnRollout.from_config(cfg, self.engine.tokenizer)  # None unless rollout.multi_turn.enabled
         if cfg.reward.function is None:
             raise ValueError("the local loop scores with reward.function only; set it")
         self.reward_fn = load_reward_fn(cfg.reward.function)
         self.needs_baseline = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).needs_baseline
         self.kl_coef = cfg.algorithm.kl.coef
+        # Safe-RLHF's cost and multiplier, and the rollout filter, as the reward worker and the workflow hold them.
+        safety = getattr(cfg, "safety", None)
+        self.costs = CostScorer(safety) if safety_on(safety) else None
+        self.safe_lambda = safety.lambda_init if self.costs is not None else None
+        self.filter = RolloutFilter(cfg.rollout.filter) if getattr(cfg.rollout, "filter", None) else None
 
     def _sampling(self, step: int) -> SamplingParams:
         """Step `step` samples as the workflow's batch `step` does (one round: part 0)."""
@@ -71,24 +81,35 @@ class LocalLoop:
         indices = prompt_indices(step * per, per, len(self.prompts), self.order_seed)
         params = self._sampling(step)
         pad = self.engine.pad_id
-        batch = generate_batch(self.engine, self.prompts, indices, params, policy_version=self.trainer.version, pad_id=pad)
+        batch = generate_batch(
+            self.engine, self.prompts, indices, params, policy_version=self.trainer.version, pad_id=pad, multi_turn=self.multi_turn
+        )
         baseline = None
         if self.needs_baseline:
-            greedy = generate_batch(self.engine, self.prompts, indices, replace(params, n=1, greedy=True), policy_version=0, pad_id=pad)
+            greedy = generate_batch(
+                self.engine, self.prompts, indices, replace(params, n=1, greedy=True), policy_version=0, pad_id=pad,
+                multi_turn=self.multi_turn,
+            )  # fmt: skip
             base_scores, _ = score_batch(greedy, self.engine.tokenizer, self.reward_fn)
             baseline = remax_baselines(batch.prompt_index, greedy.prompt_index, base_scores)
         t.append(time.perf_counter())
         rewards, _ = score_batch(batch, self.engine.tokenizer, self.reward_fn)
+        keep = costs = None
+        if self.filter is not None:
+            keep, rewards = self.filter.apply(batch, self.engine.tokenizer, rewards, step)
+        if self.costs is not None:
+            costs = self.costs.score(batch, self.engine.tokenizer, step)
         t.append(time.perf_counter())
         values = self.critic.values(batch) if self.critic else None
-        result = self.trainer.train_step(ScoredStep(batch, rewards, baseline), kl_coef=self.kl_coef, values=values)
-        self.kl_coef = result.kl_coef
+        data = ScoredStep(batch, rewards, baseline, costs=costs, keep=keep)
+        result = self.trainer.train_step(data, kl_coef=self.kl_coef, values=values, safe_lambda=self.safe_lambda)
+        self.kl_coef, self.safe_lambda = result.kl_coef, result.safe_lambda
         metrics = dict(result.metrics)
         if self.critic:
             metrics.update(self.critic.update(batch, values, result.returns))
         t.append(time.perf_counter())
         # Bucket by bucket, gathered as the engine loads them (weight_sync): no model copy.
-        source = local_source(self.trainer.model, engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=self.trainer.version)
+        source = local_source(sync_view(self.trainer.model), engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=self.trainer.version)
         self.engine.load_weights(source.pairs())
         t.append(time.perf_counter())
         metrics.update(
@@ -106,5 +127,8 @@ class LocalLoop:
             raise ValueError("data.eval_files is not set")
         n = min(size or self.cfg.data.eval_size, len(self.eval_prompts))
         params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.rollout.max_response_length)
-        batch = generate_batch(self.engine, self.eval_prompts, list(range(n)), params, policy_version=0, pad_id=self.engine.pad_id)
+        batch = generate_batch(
+            self.engine, self.eval_prompts, list(range(n)), params, policy_version=0, pad_id=self.engine.pad_id,
+            multi_turn=self.multi_turn,
+        )  # fmt: skip
         return score_batch(batch, self.engine.tokenizer, self.reward_fn)[0].mean().item()

@@ -5,14 +5,17 @@ Reading order is the algorithm's order:
    whose rewards all agree are dropped (their tokens leave the mask and the normaliser);
 2. this rank's rows; normalisers counted over the *global* batch;
 3. without gradients: the policy's log-probs before the update ("old"/proximal) and, when
-   the KL term is on, the reference policy's; gathered over ranks where the whole batch
-   needs them (KL in the reward);
-4. advantages over the whole batch, so groups and whitening see every sample;
+   the KL term is on, the reference policy's (and the per-token sum of pi^2 for the optimal
+   token baseline); gathered over ranks where the whole batch needs them (KL in the reward, OTB);
+4. advantages over the whole batch, so groups and whitening see every sample (a rollout
+   filter's dropped samples in groups of their own; Safe-RLHF: the reward's and the
+   cost's, mixed by the Lagrange multiplier, workers/safety.py);
 5. the off-policy correction: per-token weights and a mask from old vs rollout log-probs;
 6. `ppo_epochs` passes of micro-batched forward/backward: policy loss (times the
    correction weights) + KL - entropy, each aggregated by the registered mode; gradient
    clipping; one optimizer step per pass;
-7. the KL controller's new coefficient, returned so the workflow can carry it durably.
+7. the KL controller's new coefficient (and Safe-RLHF's multiplier), returned so the
+   workflow can carry them durably.
 
 With world size > 1, on CUDA, or with bf16 mixed precision, the model is sharded with
 FSDP2 (units from the model's `_no_split_modules`, workers/sharding.py); FSDP averages
@@ -53,12 +56,17 @@ from ratchet.algorithms import (
     kl_penalty,
     off_policy_correction,
     overlong_penalty,
+    response_span_lengths,
     sequence_rewards_to_tokens,
+    sum_pi_squared,
 )
 from ratchet.errors import NonFiniteError
 
 from .batch import TENSOR_FIELDS, RolloutBatch, ScoredStep
+from .lora import adapter_disabled, load_policy, lora_settings, merged_state, trainable_parameters
+from .rollout_filter import filtered_groups
 from .runtime import join_process_group, resolve_device
+from .safety import safe_rlhf_estimator
 from .sharding import ShardingPlan, enable_activation_checkpointing, resolve_mixed_precision, shard_model
 
 if TYPE_CHECKING:
@@ -163,6 +171,7 @@ class StepResult:
     kl_coef: float
     advantages: torch.Tensor  # [B, R], for the record and the critic
     returns: torch.Tensor  # [B, R], the critic's targets
+    safe_lambda: float | None = None  # Safe-RLHF: the multiplier for the next update (workers/safety.py)
 
 
 class PolicyTrainer:
@@ -172,8 +181,6 @@ class PolicyTrainer:
         """`shard`: wrap with FSDP2 (None: when world size > 1, on CUDA, or with bf16 mixed
         precision, which FSDP2 provides). Ranks > 1 must have joined their process group;
         one rank that shards joins a group of its own here."""
-        from transformers import AutoModelForCausalLM
-
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -183,13 +190,18 @@ class PolicyTrainer:
             mixed_precision=resolve_mixed_precision(getattr(t, "mixed_precision", "auto"), self.device),
             activation_checkpointing=getattr(t, "activation_checkpointing", False),
         )
-        self.sharded = shard if shard is not None else (world_size > 1 or self.device.type == "cuda" or self.plan.mixed_precision)
+        self.lora = lora_settings(cfg)  # None: the whole policy trains
+        # QLoRA's 4-bit base is not sharded with FSDP2: one rank, unwrapped (the config refuses more ranks).
+        qlora = self.lora is not None and self.lora.quantize is not None
+        self.sharded = shard if shard is not None else (not qlora and (world_size > 1 or self.device.type == "cuda" or self.plan.mixed_precision))
         if world_size > 1 and not self.sharded:
             raise ValueError("a trainer of more than one rank must be sharded")
         torch.manual_seed(cfg.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
+        # With trainer.lora the policy is the base wrapped in adapters (workers/lora.py), and
+        # the reference is that base with the adapters off: no second copy.
+        self.model = load_policy(model_path, cfg, self.device)
         self.reference = None
-        if cfg.algorithm.kl.coef > 0:
+        if cfg.algorithm.kl.coef > 0 and self.lora is None:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.units: list[str] = []
         if self.sharded:
@@ -200,7 +212,7 @@ class PolicyTrainer:
             self.model.to(self.device)
             if self.reference is not None:
                 self.reference.to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.version = 0
 
     def _shard(self) -> None:
@@ -222,7 +234,10 @@ class PolicyTrainer:
         return sum(p.numel() for p in self.full_state().values())
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights by HF name (a collective when sharded: every rank must call it)."""
+        """Unsharded weights by HF name (a collective when sharded: every rank must call it);
+        with LoRA the base and adapters merged, as the engines load them."""
+        if self.lora is not None:
+            return merged_state(self.model)
         out = {}
         for name, tensor in self.model.state_dict().items():
             if hasattr(tensor, "full_tensor"):
@@ -265,6 +280,30 @@ class PolicyTrainer:
         t = self.cfg.rollout.temperature
         return torch.cat([token_logprobs(response_logits(model, shard.select(s), t), shard.response_ids[s]) for s in micro])
 
+    @torch.no_grad()
+    def _logprobs_and_sum_pi_squared(self, shard: RolloutBatch, micro: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's log-probs and per-token sum of pi^2 over the vocabulary (the optimal
+        token baseline's inputs), from one forward pass."""
+        t, logprobs, pi2 = self.cfg.rollout.temperature, [], []
+        for s in micro:
+            logits = response_logits(self.model, shard.select(s), t)
+            logprobs.append(token_logprobs(logits, shard.response_ids[s]))
+            pi2.append(sum_pi_squared(logits))
+        return torch.cat(logprobs), torch.cat(pi2)
+
+    def uses_reference(self) -> bool:
+        return self.cfg.algorithm.kl.coef > 0
+
+    def _reference_logprobs(self, shard: RolloutBatch, micro: list[slice]) -> torch.Tensor | None:
+        """The reference policy's log-probs (None when the KL term is off): the frozen copy,
+        or with LoRA the policy itself with its adapters off."""
+        if self.reference is not None:
+            return self._logprobs(self.reference, shard, micro)
+        if self.lora is None or not self.uses_reference():
+            return None
+        with adapter_disabled(self.model) as base:
+            return self._logprobs(base, shard, micro)
+
     def _check_finite_update(self, grad_norm: float, bad_loss: float | None, epoch: int) -> None:
         flag = torch.tensor([0.0 if bad_loss is None else 1.0], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
@@ -281,7 +320,9 @@ class PolicyTrainer:
             "set trainer.grad_clip"
         )
 
-    def train_step(self, data: ScoredStep, *, kl_coef: float, values: torch.Tensor | None = None) -> StepResult:
+    def train_step(
+        self, data: ScoredStep, *, kl_coef: float, values: torch.Tensor | None = None, safe_lambda: float | None = None
+    ) -> StepResult:
         alg, batch = self.cfg.algorithm, data.batch
         # 1. rewards, overlong penalty, dynamic sampling
         rewards = data.rewards.float()
@@ -291,14 +332,16 @@ class PolicyTrainer:
                 f"rewards of rows {bad[:5]} are not finite ({[float(rewards[r]) for r in bad[:5]]}); nothing was updated. "
                 "Fix the reward function or reward model so it returns finite numbers"
             )
-        lengths = batch.response_mask.sum(-1)
+        lengths = response_span_lengths(batch.response_mask)  # up to the last response token, holes included
         if alg.overlong.buffer_len > 0:
             rewards = rewards + overlong_penalty(
                 lengths, self.cfg.rollout.max_response_length, alg.overlong.buffer_len, alg.overlong.penalty_factor
             )
-        kept = torch.ones(len(batch), dtype=torch.bool)
+        # A rollout filter's dropped samples leave the mask and, in groups of their own, the group statistics.
+        kept = torch.ones(len(batch), dtype=torch.bool) if data.keep is None else data.keep.bool()
+        group = filtered_groups(batch.prompt_index, data.keep)
         if alg.dynamic_sampling:
-            kept = keep_informative_groups(rewards, batch.prompt_index, self.cfg.loop.prompts_per_step)
+            kept = keep_informative_groups(rewards, group, self.cfg.loop.prompts_per_step) & kept
         mask = batch.response_mask * kept.unsqueeze(-1)
         # 2. this rank's rows
         rows = torch.arange(self.rank, len(batch), self.world_size)
@@ -309,8 +352,12 @@ class PolicyTrainer:
         # bypass uses the behaviour log-probs as the old ones: no forward pass for them,
         # unless KL in the reward needs the current policy's log-probs anyway.
         recompute_old = alg.off_policy.mode != "bypass" or alg.kl.in_reward
-        old = self._logprobs(self.model, shard, micro) if recompute_old else None
-        ref = self._logprobs(self.reference, shard, micro) if self.reference is not None else None
+        estimator, pi2 = ADV_ESTIMATORS.get(alg.adv_estimator), None
+        if estimator.needs_sum_pi_squared:  # the optimal token baseline: both from one forward pass
+            old, pi2 = self._logprobs_and_sum_pi_squared(shard, micro)
+        else:
+            old = self._logprobs(self.model, shard, micro) if recompute_old else None
+        ref = self._reference_logprobs(shard, micro)
         # 4. advantages over the whole batch
         token_rewards = sequence_rewards_to_tokens(rewards, mask)
         kl_in_reward = 0.0
@@ -322,9 +369,12 @@ class PolicyTrainer:
             bad = _rows_not_finite(torch.where(mask > 0, values, 0.0))
             if bad:
                 raise NonFiniteError(f"critic values of rows {bad[:5]} are not finite; nothing was updated. Lower critic.lr")
-        estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
-        adv_out = estimator.fn(
-            AdvInputs(token_rewards, mask, batch.prompt_index, values=values, baseline_rewards=data.baseline_rewards),
+        otb = {}
+        if pi2 is not None:
+            otb = {"old_logprob": self._gather_rows(old, len(batch)).cpu(), "sum_pi_squared": self._gather_rows(pi2, len(batch)).cpu()}
+        safe = safe_rlhf_estimator(self.cfg, estimator.fn, data.costs, safe_lambda)  # None without a safety section
+        adv_out = (safe or estimator.fn)(
+            AdvInputs(token_rewards, mask, group, values=values, baseline_rewards=data.baseline_rewards, **otb),
             AdvParams(norm_adv_by_std=alg.norm_adv_by_std, gamma=alg.gamma, lam=alg.lam),
         )
         bad = _rows_not_finite(torch.where(mask > 0, adv_out.advantages, 0.0))
@@ -342,6 +392,9 @@ class PolicyTrainer:
             mask=shard_mask,
             cap=alg.off_policy.cap,
             level=alg.off_policy.level,
+            is_weights=getattr(alg.off_policy, "is_weights", None),  # getattr: gpu_check's config snapshot may predate it
+            rejection=getattr(alg.off_policy, "rejection", None),
+            world_size=self.world_size,
         )
         if correction.use_rollout_as_old:
             old = shard.rollout_logprobs
@@ -350,11 +403,13 @@ class PolicyTrainer:
         # 6. the update
         loss_fn = POLICY_LOSSES.get(alg.policy_loss)
         aggregate = LOSS_AGGREGATIONS.get(alg.loss_agg_mode)
-        params = LossParams(clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, clip_ratio_c=alg.clip_ratio_c)
+        params = LossParams.from_algorithm(alg)
         sums = MetricSums(values={})
         grad_norms = []
         self.model.train()
-        for epoch in range(self.cfg.trainer.ppo_epochs):
+        # verl's critic_warmup: the first critic.warmup_steps updates fit the critic only.
+        actor_frozen = values is not None and self.version < self.cfg.critic.warmup_steps
+        for epoch in range(0 if actor_frozen else self.cfg.trainer.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             bad_loss = None  # this rank's first non-finite micro-batch loss
             for s in micro:
@@ -397,14 +452,17 @@ class PolicyTrainer:
             controller.update(kl_in_reward if alg.kl.in_reward else metrics.get("kl", 0.0), n_steps=len(batch))
             new_coef = controller.coef
         metrics.update(
-            grad_norm=float(np.mean(grad_norms)),
+            grad_norm=float(np.mean(grad_norms)) if grad_norms else 0.0,
             adv_abs_mean=(adv_out.advantages.abs().sum() / mask.sum().clamp(min=1)).item(),
             response_length=lengths.float().mean().item(),
             kl_coef=kl_coef,
             kept_fraction=kept.float().mean().item(),
+            **({"rollout_filter/dropped": float((~data.keep.bool()).sum().item())} if data.keep is not None else {}),
+            **(safe.metrics if safe is not None else {}),
             **staleness,
             **{f"off_policy/{k}": v for k, v in correction.metrics.items()},
         )
         if alg.kl.in_reward:
             metrics["kl_in_reward"] = kl_in_reward
-        return StepResult(metrics=metrics, kl_coef=new_coef, advantages=adv_out.advantages, returns=adv_out.returns)
+        safe_lambda = safe.lam if safe is not None else safe_lambda
+        return StepResult(metrics=metrics, kl_coef=new_coef, advantages=adv_out.advantages, returns=adv_out.returns, safe_lambda=safe_lambda)

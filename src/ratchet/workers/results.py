@@ -62,6 +62,7 @@ class TrainResult:
     policy_version: int
     metrics: dict[str, float]
     kl_coef: float  # for the next update (an adaptive controller moves it)
+    safe_lambda: float | None = None  # Safe-RLHF: the Lagrange multiplier for the next update
 
 
 @dataclass(frozen=True)

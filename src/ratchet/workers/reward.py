@@ -1,5 +1,7 @@
 """Reward worker (a Ray actor): scores a stored batch with the configured rule-based
-function and/or reward model, and writes the rewards next to the batch."""
+function and/or reward model, and writes the rewards next to the batch; with Safe-RLHF
+also each sample's cost (workers/safety.py), with a rollout filter its verdicts
+(workers/rollout_filter.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from .batch import RolloutBatch, StepScores, save_scores, score_summary
 from .columns import Parts, part_name
 from .hf_io import local_hf_path
 from .results import ScoreResult
+from .rollout_filter import RolloutFilter
+from .safety import CostScorer
 from .runtime import configure_worker_process
 from .scoring import RewardModelScorer, check_finite_rewards, score_batch
 
@@ -31,6 +35,16 @@ class RewardWorker:
         self.reward_model = RewardModelScorer(r.model_path) if r.model_path else None
         self.tokenizer = AutoTokenizer.from_pretrained(local_hf_path(tokenizer_path))
         self.run = ObjectStore(run_uri)
+        self.costs = CostScorer(cfg.safety) if cfg.uses_safety else None
+        self.filter = RolloutFilter(cfg.rollout.filter) if cfg.rollout.filter else None
+
+    def _screened(self, batch: RolloutBatch, rewards: torch.Tensor, batch_index: int | None):
+        """(rewards with a filter's replacements, costs or None, the filter's keep or None)."""
+        keep = None
+        if self.filter is not None:
+            keep, rewards = self.filter.apply(batch, self.tokenizer, rewards, batch_index)
+        costs = self.costs.score(batch, self.tokenizer, batch_index) if self.costs is not None else None
+        return rewards, costs, keep
 
     def _rewards(self, batch: RolloutBatch, batch_index: int | None = None) -> tuple[torch.Tensor, list[dict]]:
         """function_weight * rule score + model_weight * reward-model score."""
@@ -53,7 +67,8 @@ class RewardWorker:
         store = BatchStore(self.run, kind)
         batch = RolloutBatch.load(store, batch_index, part_name(Parts.ROLLOUT, part))
         rewards, extras = self._rewards(batch, batch_index)
-        save_scores(store, batch_index, rewards, extras, part_name(Parts.SCORES, part))
+        rewards, costs, keep = self._screened(batch, rewards, batch_index)
+        save_scores(store, batch_index, rewards, extras, part_name(Parts.SCORES, part), costs, keep)
         baseline_name = part_name(Parts.BASELINE, part)
         if store.has(batch_index, baseline_name):  # ReMax: the greedy baseline responses
             base_rewards, base_extras = self._rewards(RolloutBatch.load(store, batch_index, baseline_name), batch_index)
@@ -73,9 +88,13 @@ class RewardWorker:
         t0 = time.perf_counter()
         batch = RolloutBatch.concat([s.batch for s in shares], pad_id=0)
         rewards, extras = self._rewards(batch, batch_index)
+        rewards, costs, keep = self._screened(batch, rewards, batch_index)
         base_rewards, base_extras = None, None
         if shares[0].baseline is not None:  # ReMax: the greedy baseline responses
             baseline = RolloutBatch.concat([s.baseline for s in shares], pad_id=0)
             base_rewards, base_extras = self._rewards(baseline, batch_index)
         result = score_summary(rewards, batch.prompt_index, time.perf_counter() - t0)
-        return StepScores(rewards=rewards.float(), extras=extras, result=result, baseline_rewards=base_rewards, baseline_extras=base_extras)
+        return StepScores(
+            rewards=rewards.float(), extras=extras, result=result, baseline_rewards=base_rewards, baseline_extras=base_extras,
+            costs=costs, keep=keep,
+        )  # fmt: skip

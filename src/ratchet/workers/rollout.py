@@ -36,6 +36,7 @@ from .batch import RolloutBatch
 from .columns import Parts, part_name
 from .engines import SamplingParams, build_engine
 from .hf_io import local_hf_path
+from .multi_turn import MultiTurnRollout
 from .prompts import PromptSet
 from .results import EvalBatchResult, GenerateResult, RolloutShare
 from .rollout_batching import generate_batch, prompt_indices, sampling_seed
@@ -59,6 +60,12 @@ class RolloutWorker:
         self.train = PromptSet.from_config(d, d.train_files, tok)
         self.eval = PromptSet.from_config(d, d.eval_files, tok) if d.eval_files else None
         self.order_seed = data_order_seed(cfg)  # the training prompts' order (data.shuffle, data.seed)
+        # rollout.multi_turn: tools built and every row's tools_kwargs checked before any generation.
+        self.multi_turn = MultiTurnRollout.from_config(cfg, tok)
+        if self.multi_turn is not None:
+            self.multi_turn.check_prompts(self.train, d.train_files)
+            if self.eval is not None:
+                self.multi_turn.check_prompts(self.eval, d.eval_files)
         self.run = ObjectStore(run_uri)
         self.version = 0
         self.needs_baseline = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).needs_baseline
@@ -138,13 +145,17 @@ class RolloutWorker:
         indices = prompt_indices(prompt_start, prompt_count, len(self.train), self.order_seed)
         pad = self.engine.pad_id
         batch = generate_batch(
-            self.engine, self.train, indices, params, policy_version=version, pad_id=pad, weight_swap=swap, first_position=position
-        )
+            self.engine, self.train, indices, params, policy_version=version, pad_id=pad, weight_swap=swap, first_position=position,
+            multi_turn=self.multi_turn,
+        )  # fmt: skip
         baseline = None
         if self.needs_baseline:
             # ReMax: one greedy response per prompt, scored as the baseline of its group.
             greedy = replace(params, n=1, greedy=True)
-            baseline = generate_batch(self.engine, self.train, indices, greedy, policy_version=self.version, pad_id=pad, weight_swap=swap)
+            baseline = generate_batch(
+                self.engine, self.train, indices, greedy, policy_version=self.version, pad_id=pad, weight_swap=swap,
+                multi_turn=self.multi_turn,
+            )  # fmt: skip
         return RolloutShare(batch=batch, baseline=baseline, generate_seconds=time.perf_counter() - t0, policy_version=version)
 
     # -- colocated placement: the engine gives its device memory back while the trainer runs
@@ -176,7 +187,9 @@ class RolloutWorker:
         indices = list(range(min(size, len(self.eval))))
         # An evaluation measures one version: no weight swap inside it.
         with self._generation(swappable=False) as (version, _):
-            batch = generate_batch(self.engine, self.eval, indices, params, policy_version=version, pad_id=self.engine.pad_id)
+            batch = generate_batch(
+                self.engine, self.eval, indices, params, policy_version=version, pad_id=self.engine.pad_id, multi_turn=self.multi_turn
+            )
         return EvalBatchResult(uri=batch.save(BatchStore(self.run, RunLayout.EVALS), step), num_samples=len(batch), policy_version=version)
 
     def load_weights(self, weights: "WeightSource | Mapping[str, np.ndarray]", version: int | None = None) -> int:

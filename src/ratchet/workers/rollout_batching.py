@@ -4,6 +4,7 @@ which sampling seed a batch gets (the workflow's workers and the local loop alik
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from ratchet.data.order import epoch_order
 from .batch import RolloutBatch
 from .engines import Engine, SamplingParams, WeightSwap
 from .prompts import PromptSet
+
+if TYPE_CHECKING:
+    from .multi_turn import MultiTurnRollout
 
 
 def prompt_indices(start: int, count: int, total: int, order_seed: int | None = None) -> list[int]:
@@ -62,12 +66,17 @@ def generate_batch(
     pad_id: int,
     weight_swap: WeightSwap | None = None,
     first_position: int = 0,
+    multi_turn: "MultiTurnRollout | None" = None,
 ) -> RolloutBatch:
     """The batch of `indices`' samples; sampled (not greedy), each prompt with its own seed
     from `params.seed` and its position in the whole batch (`first_position` for the first
     of these prompts: where this share starts when the batch is split over replicas)."""
     if not params.greedy and params.prompt_seeds is None:
         params = replace(params, prompt_seeds=prompt_seeds(params.seed, first_position, len(indices)))
+    if multi_turn is not None:  # rollout.multi_turn: conversations with tool calls (workers/multi_turn.py)
+        return multi_turn.generate_batch(
+            engine, prompts, indices, params, policy_version=policy_version, pad_id=pad_id, weight_swap=weight_swap
+        )
     groups = engine.generate([prompts.token_ids[i] for i in indices], params, version=policy_version, weight_swap=weight_swap)
     rows = [(idx, gen) for idx, group in zip(indices, groups) for gen in group]
     prompt_w = max(len(prompts.token_ids[i]) for i in indices)

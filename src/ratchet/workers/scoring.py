@@ -12,6 +12,8 @@ import torch
 from ratchet.errors import NonFiniteError, RewardFunctionError
 from ratchet.tasks.loading import RewardFunction
 
+from ratchet.algorithms import response_span_lengths
+
 from .batch import RolloutBatch
 
 
@@ -20,7 +22,10 @@ def _where(batch_index: int | None, row: int, info: dict) -> str:
     return f"{at}row {row} (data_source {info.get('data_source')!r})"
 
 
-def _call(reward_fn: Callable, batch_index: int | None, row: int, info: dict, text: str, token_args: dict | None = None):
+def _call(
+    reward_fn: Callable, batch_index: int | None, row: int, info: dict, text: str, token_args: dict | None = None,
+    field: str = "reward.function",
+):  # fmt: skip
     """The function's result; its own exception becomes a RewardFunctionError naming the
     sample and where in the function it failed: a bug there fails the same on every retry."""
     try:
@@ -34,9 +39,14 @@ def _call(reward_fn: Callable, batch_index: int | None, row: int, info: dict, te
     except Exception as e:  # noqa: BLE001 - user code: any error is the user's to fix
         frame = traceback.extract_tb(e.__traceback__)[-1]
         raise RewardFunctionError(
-            f"the reward function raised {type(e).__name__}: {e} at {_where(batch_index, row, info)}, in {frame.filename}:"
-            f"{frame.lineno} ({frame.name}); fix reward.function"
+            f"the {_role(field)} raised {type(e).__name__}: {e} at {_where(batch_index, row, info)}, in {frame.filename}:"
+            f"{frame.lineno} ({frame.name}); fix {field}"
         ) from e
+
+
+def _role(field: str) -> str:
+    """'reward function' for reward.function, 'cost function' for safety.cost_function."""
+    return "cost function" if field.startswith("safety.") else "reward function"
 
 
 def check_finite_rewards(rewards: torch.Tensor, samples: list[dict], batch_index: int | None, what: str) -> None:
@@ -62,19 +72,25 @@ def token_args(batch: RolloutBatch, row: int, response: list[int], wanted: tuple
     return args
 
 
-def score_batch(batch: RolloutBatch, tokenizer, reward_fn: Callable, batch_index: int | None = None) -> tuple[torch.Tensor, list[dict]]:
-    """Rewards [B] and, per sample, the extra numbers a dict-returning function gave."""
+def score_batch(
+    batch: RolloutBatch, tokenizer, reward_fn: Callable, batch_index: int | None = None, *, field: str = "reward.function"
+) -> tuple[torch.Tensor, list[dict]]:
+    """Rewards [B] and, per sample, the extra numbers a dict-returning function gave.
+    `field`: the config key of the function, named in its errors (safety.cost_function
+    scores costs with the same contract)."""
+    role = _role(field)
     fn = RewardFunction.wrap(reward_fn)  # a plain callable (tests, the local loop) is inspected here
     rewards, extras = [], []
+    spans = response_span_lengths(batch.response_mask).tolist()  # the whole trajectory: tool output in holes too
     for row, info in enumerate(batch.samples):
-        n = int(batch.response_mask[row].sum().item())
+        n = spans[row]
         response = batch.response_ids[row, :n].tolist()
         text = tokenizer.decode(response, skip_special_tokens=True)
-        out = _call(fn, batch_index, row, info, text, token_args(batch, row, response, fn.token_params))
+        out = _call(fn, batch_index, row, info, text, token_args(batch, row, response, fn.token_params), field)
         if isinstance(out, dict):
             if "score" not in out:
                 raise RewardFunctionError(
-                    f"reward function returned a dict without 'score': {sorted(out)} at {_where(batch_index, row, info)}"
+                    f"{role} returned a dict without 'score': {sorted(out)} at {_where(batch_index, row, info)}; fix {field}"
                 )
             score = out["score"]
             extras.append({k: float(v) for k, v in out.items() if k != "score" and isinstance(v, (int, float))})
@@ -85,13 +101,13 @@ def score_batch(batch: RolloutBatch, tokenizer, reward_fn: Callable, batch_index
             value = float(score)
         except (TypeError, ValueError):
             raise RewardFunctionError(
-                f"the reward function returned {score!r} ({type(score).__name__}) at {_where(batch_index, row, info)}; it must "
-                "return a number or a dict with a numeric 'score'"
+                f"the {role} returned {score!r} ({type(score).__name__}) at {_where(batch_index, row, info)}; it must "
+                f"return a number or a dict with a numeric 'score' (fix {field})"
             ) from None
         if not math.isfinite(value):  # at once: the rows after it are not scored
             raise NonFiniteError(
-                f"the reward function gave {value} at {_where(batch_index, row, info)}; rewards must be finite numbers: "
-                "fix the reward function"
+                f"the {role} gave {value} at {_where(batch_index, row, info)}; {role.split()[0]}s must be finite numbers: "
+                f"fix {field}"
             )
         rewards.append(value)
     return torch.tensor(rewards, dtype=torch.float32), extras
@@ -117,9 +133,10 @@ class RewardModelScorer:
     @torch.no_grad()
     def score(self, batch: RolloutBatch, policy_tokenizer) -> torch.Tensor:
         texts = []
+        spans = response_span_lengths(batch.response_mask).tolist()  # holes (tool output) included
         for row in range(len(batch)):
             prompt = batch.prompt_ids[row][batch.prompt_mask[row].bool()].tolist()
-            n = int(batch.response_mask[row].sum().item())
+            n = spans[row]
             texts.append(
                 policy_tokenizer.decode(prompt, skip_special_tokens=True)
                 + " "

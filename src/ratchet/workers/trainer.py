@@ -38,6 +38,7 @@ from .batch import HandedStep, HandedSummary, ScoredStep, StepScores, load_step
 from .columns import Fields, Parts
 from .hf_io import local_hf_path, upload_hf_folder, write_hf_folder
 from .local_paths import restore_dir, staging_dir
+from .lora import adapter_state, sync_view, write_adapter_folder
 from .policy_update import PolicyTrainer, check_finite_weights
 from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult, WarmupResult
 from .runtime import configure_worker_process, free_port, node_address
@@ -170,7 +171,8 @@ class TrainerWorker:
 
     def _sync_plan(self):
         t = self.trainer
-        return sync_plan(t.model, engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=t.version)
+        # sync_view: with LoRA, base + adapter merged under the base model's names (workers/lora.py).
+        return sync_plan(sync_view(t.model), engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=t.version)
 
     def _publish(self) -> None:
         """Put this version's buckets into the object store (rank 0; every rank gathers)."""
@@ -301,14 +303,16 @@ class TrainerWorker:
 
     def train(
         self, batch_index: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None,
-        data: ScoredStep | None = None, live: dict | None = None,
+        data: ScoredStep | None = None, live: dict | None = None, safe_lambda: float | None = None,
     ) -> TrainResult:  # fmt: skip
         """Update policy v`policy_version` on stored batch `batch_index`. A retried activity
         whose first attempt already updated the policy gets that update's result instead of
         a second update. `optimizer` (lr, betas, weight_decay): the settings a logged update
         used, for a replay; by default the run's config (which a resume may have changed).
         `live`: hyper-parameters set while the run trains (config/live_keys.py), over the
-        config for this update only; logged with it, so a replay uses them again."""
+        config for this update only; logged with it, so a replay uses them again.
+        `safe_lambda`: Safe-RLHF's multiplier in force (None: safety.lambda_init), logged
+        like `kl_coef`."""
         from ratchet.config.live_keys import live_config
 
         from .checkpointing import apply_optimizer_hyperparameters, config_hyperparameters
@@ -327,7 +331,7 @@ class TrainerWorker:
             values = store.read(batch_index, Parts.VALUES)[0][Fields.VALUES] if store.has(batch_index, Parts.VALUES) else None
             self.trainer.cfg = cfg  # the loss weights, clip bounds and epochs it reads per update
             try:
-                result = self.trainer.train_step(data, kl_coef=kl_coef, values=values)
+                result = self.trainer.train_step(data, kl_coef=kl_coef, values=values, safe_lambda=safe_lambda)
             except NonFiniteError as e:
                 raise NonFiniteError(f"batch {batch_index} (policy v{policy_version}): {e}") from None
             finally:
@@ -339,18 +343,19 @@ class TrainerWorker:
             store.write(batch_index, Parts.ADVANTAGES, {Fields.ADVANTAGES: result.advantages, Fields.RETURNS: result.returns}, {})
             self.run.put_json(
                 RunLayout.train_log(policy_version),
-                {"batch": batch_index, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper, "live": dict(live or {})},
-            )
+                {"batch": batch_index, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper, "live": dict(live or {}),
+                 **({"safe_lambda": safe_lambda} if safe_lambda is not None else {})},
+            )  # fmt: skip
         result.metrics["train_seconds"] = time.perf_counter() - t0
         result.metrics["lr"] = float(hyper["lr"])  # the learning rate this update used (live or the config's)
-        return TrainResult(policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef)
+        return TrainResult(policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef, safe_lambda=result.safe_lambda)
 
     # A batch handed over in memory (train_handed), kept with the update it went into.
     _handed: tuple[tuple[int, int], HandedStep] | None = None
 
     def train_handed(
         self, batch_index: int, policy_version: int, kl_coef: float, scores: StepScores | None = None, *shares,
-        live: dict | None = None,
+        live: dict | None = None, safe_lambda: float | None = None,
     ) -> tuple[TrainResult, HandedSummary]:  # fmt: skip
         """`train` on a batch handed over in memory (sync mode's `step` activity): the
         rollout shares (`results.RolloutShare`) and their scores, through Ray's object store.
@@ -379,7 +384,7 @@ class TrainerWorker:
             saving = threading.Thread(target=save, name="store-handed-batch", daemon=True)
             saving.start()
         try:
-            result = self.train(batch_index, policy_version, kl_coef, data=step.scored_step(), live=live)
+            result = self.train(batch_index, policy_version, kl_coef, data=step.scored_step(), live=live, safe_lambda=safe_lambda)
         finally:
             if saving is not None:
                 saving.join()
@@ -405,7 +410,8 @@ class TrainerWorker:
         t0 = time.perf_counter()
         name = RunLayout.checkpoint_name(step)
         meta = {"step": step, "policy_version": self.trainer.version, "world_size": self.world_size}
-        full = {k: v.clone() for k, v in self.trainer.full_state().items()}  # for the HF export
+        # For the HF export; with LoRA the adapter alone (the base stays where it is: workers/lora.py).
+        full = {k: v.clone() for k, v in (adapter_state(self.trainer.model) if getattr(self.trainer, "lora", None) else self.trainer.full_state()).items()}
         # Every rank holds the full weights here, so every rank refuses alike.
         check_finite_weights(full, f"the weights of policy v{self.trainer.version} (checkpoint {name})")
         snap = snapshot(self.trainer, meta)
@@ -500,7 +506,10 @@ class TrainerWorker:
         return self.run.root.rpartition("/")[2]
 
     def _write_rank0_files(self, local: Path, full_state: dict, run_state: dict, extra_files: dict[str, bytes]) -> None:
-        self._write_hf(full_state, local / RunLayout.CHECKPOINT_HF)  # committed by the checkpoint's manifest
+        if getattr(self.trainer, "lora", None) is not None:  # peft's adapter folder, naming the base it needs
+            write_adapter_folder(self.trainer.model, full_state, local / RunLayout.CHECKPOINT_HF)
+        else:
+            self._write_hf(full_state, local / RunLayout.CHECKPOINT_HF)  # committed by the checkpoint's manifest
         (local / RunLayout.RUN_STATE).write_text(json.dumps(run_state, sort_keys=True))
         for rel, data in extra_files.items():
             (local / rel).parent.mkdir(parents=True, exist_ok=True)

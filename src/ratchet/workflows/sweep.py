@@ -15,7 +15,7 @@ training workflow's own `stop` signal (it evaluates, exports and completes) and 
 pruned. Signals `pause`, `resume` and `cancel` act on the whole sweep: the running trials
 are paused, resumed or stopped, and no new trial starts while paused or once cancelled.
 
-Deterministic like the training workflow (DESIGN.md, rule 8): no Optuna, no file reads,
+Deterministic like the training workflow (docs/design.md, rule 8): no Optuna, no file reads,
 no clocks but Temporal's timers; activities by name, types from `ratchet.sweep_types`.
 A sweep's history grows by a few events per trial and rung (and per minute without a
 rung reached); continue-as-new is not implemented: hundreds of trials stay far below

@@ -31,7 +31,7 @@ be the same state passed around; what could leave (the maths, the call policy) h
 
 The workflow is the controller with the global view (HybridFlow): it owns the run state
 (step, policy versions, prompt frontier, ready batches) and tells workers what to do; the
-workers are caches of that state. Everything here is deterministic (DESIGN.md, rule 8):
+workers are caches of that state. Everything here is deterministic (docs/design.md, rule 8):
 no torch, no Ray, no clocks but `workflow.now()`; activities are called by name with
 dataclasses from `ratchet.types`. `pause`, `resume`, `stop`, `drain` (move off a node about to go) and the `set_params`
 update (live hyper-parameters: workflows/live.py) take effect at a step boundary in every mode.
@@ -382,6 +382,7 @@ class TrainingWorkflow:
         state = RunState(
             run=prep.run,
             kl_coef=start.plan.kl_coef,
+            safe_lambda=start.plan.safe_lambda,
             warmup_loss_first=warm.loss_first,
             warmup_loss_last=warm.loss_last,
         )
@@ -649,7 +650,7 @@ class TrainingWorkflow:
                 policy_version=version,
                 exact_version=plan.deterministic,
             )
-            inp = StepInput(rollout, state.policy_version, kl_coef=state.kl_coef, live=dict(state.live.values))
+            inp = StepInput(rollout, state.policy_version, kl_coef=state.kl_coef, live=dict(state.live.values), safe_lambda=state.safe_lambda)
             async with self._rollout_lock:
                 out: StepOutput = await self._call("step", inp, StepOutput)
         finally:
@@ -658,6 +659,7 @@ class TrainingWorkflow:
         self._rollout_busy_seconds += out.batch.generate_seconds
         state.policy_version = out.trained.policy_version
         state.kl_coef = out.trained.kl_coef
+        state.safe_lambda = out.trained.safe_lambda
         state.rollout_version = max(state.rollout_version, out.synced.policy_version)
         return [ScoredBatch(out.batch, out.score)], out.trained, out.synced
 
@@ -665,11 +667,15 @@ class TrainingWorkflow:
         first = rounds[0].batch
         trained: TrainOutput = await self._call(
             "train",
-            TrainInput(state.run, first, state.policy_version, kl_coef=state.kl_coef, parts=len(rounds), live=dict(state.live.values)),
+            TrainInput(
+                state.run, first, state.policy_version, kl_coef=state.kl_coef, parts=len(rounds), live=dict(state.live.values),
+                safe_lambda=state.safe_lambda,
+            ),
             TrainOutput,
         )
         state.policy_version = trained.policy_version
         state.kl_coef = trained.kl_coef
+        state.safe_lambda = trained.safe_lambda
         return trained
 
     async def _sync(self, state: RunState) -> SyncOutput:

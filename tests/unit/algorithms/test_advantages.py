@@ -139,7 +139,13 @@ def test_estimators_declare_that_they_need_groups():
 
 def test_estimator_registry_flags():
     flags = {n: ADV_ESTIMATORS.get(n) for n in ADV_ESTIMATORS.names()}
-    assert sorted(flags) == ["gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo"]
+    assert sorted(flags) == [
+        "gae", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline", "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline", "remax", "rloo", "tir_optimal_token_baseline",
+    ]  # fmt: skip
+    for name in ("opo", "gpg", "grpo_passk", "optimal_token_baseline", "tir_optimal_token_baseline"):
+        assert flags[name].needs_group and not (flags[name].needs_critic or flags[name].needs_baseline), name
+    assert [n for n, f in flags.items() if f.needs_sum_pi_squared] == ["optimal_token_baseline", "tir_optimal_token_baseline"]
     assert flags["gae"].needs_critic and not flags["gae"].needs_group and not flags["gae"].needs_baseline
     assert flags["remax"].needs_baseline and not flags["remax"].needs_critic and not flags["remax"].needs_group
     assert flags["reinforce_plus_plus_baseline"].needs_group and not flags["reinforce_plus_plus_baseline"].needs_critic
@@ -177,12 +183,13 @@ def test_masked_whiten_shows_nan_on_real_tokens():
     assert torch.isnan(out).all()
 
 
-def test_discounted_returns_reset_at_holes_and_padding():
-    rewards = torch.tensor([[1.0, 0.0, 1.0, 7.0], [0.0, 0.0, 2.0, 0.0]])
+def test_discounted_returns_run_across_holes_and_ignore_padding():
+    rewards = torch.tensor([[1.0, 5.0, 1.0, 7.0], [0.0, 0.0, 2.0, 0.0]])
     mask = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
-    # row 0: the hole at t=1 starts a new segment: G = [1, 0, 1, 0]; the 7 on padding is ignored
+    # row 0: the hole at t=1 (tool output, its 5 ignored) is skipped, not a reset, and not a
+    #        discount step: G_2 = 1, G_0 = 1 + 0.5 * 1 = 1.5; the 7 on padding is ignored
     # row 1: gamma 0.5: G_2 = 2, G_1 = 0 + 0.5 * 2 = 1, G_0 = 0.5
-    close(discounted_returns(rewards, mask, 0.5), [[1.0, 0.0, 1.0, 0.0], [0.5, 1.0, 2.0, 0.0]])
+    close(discounted_returns(rewards, mask, 0.5), [[1.5, 0.0, 1.0, 0.0], [0.5, 1.0, 2.0, 0.0]])
 
 
 # ------------------------------------------------- token-level estimators: GAE, REINFORCE++, ReMax

@@ -27,6 +27,7 @@ AGG_EXPECTED = {
     "seq-mean-token-sum": 7 / 2,
     "seq-mean-token-mean": ((1 + 2) / 2 + 4 / 1) / 2,  # 2.75
     "seq-mean-token-sum-norm": 7 / (2 * 3),
+    "token-sum": 7.0,  # no normaliser at all
 }
 
 
@@ -77,6 +78,7 @@ BIG_EXPECTED = {
     "seq-mean-token-sum": 22 / 4,
     "seq-mean-token-mean": ((1 + 2 + 3) / 3 + (4 + 5) / 2 + 7 / 1 + 0) / 4,  # (2 + 4.5 + 7) / 4 = 3.375
     "seq-mean-token-sum-norm": 22 / (4 * 3),
+    "token-sum": 22.0,
 }
 
 

@@ -96,7 +96,7 @@ def make_logprobs(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_all_policy_losses_registered():
-    assert POLICY_LOSSES.names() == ["cispo", "dual_clip", "gspo", "ppo_clip"]
+    assert {"cispo", "dual_clip", "gspo", "ppo_clip"} <= set(POLICY_LOSSES.names())  # + the verl catalogue's (test_policy_losses_verl.py)
     assert LossParams().clip_ratio_c == 3.0
 
 

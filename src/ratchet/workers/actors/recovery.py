@@ -4,7 +4,7 @@ batches (the critic's on the stored values and returns).
 
 Every update is logged (`train_log/v<version>.json`) and every batch stays in the batch
 store, so this needs no help from the workflow: the result is the trainer the workflow
-believes in (DESIGN.md, rule 4). Updates are deterministic given their inputs on CPU, so
+believes in (docs/design.md, rule 4). Updates are deterministic given their inputs on CPU, so
 the rebuilt weights equal the lost ones bit for bit (`deterministic: true` makes the
 kernels so everywhere).
 """
@@ -59,7 +59,8 @@ def restore_trainers(actors: RunActors, expected_version: int) -> list:
         # With the optimizer settings and live values the update used (a resume or a live
         # change may have changed them since); the next update gets the values in force.
         hyper, live = entry.get("optimizer"), entry.get("live")
-        actors.wait([a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"], hyper, live=live) for a in ranks])
+        safe_lambda = entry.get("safe_lambda")  # Safe-RLHF's multiplier, logged by runs that use it
+        actors.wait([a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"], hyper, live=live, safe_lambda=safe_lambda) for a in ranks])
     log.warning(
         "run %s: trainer rebuilt at v%d from %s and %d replayed updates in %.1f s",
         actors.run_id, expected_version, source, expected_version - version, time.perf_counter() - t0,

@@ -1,7 +1,7 @@
 """The Ray actors of one run as worker-layer objects: created once, found again by name,
 rebuilt when lost, kept at the policy version the workflow expects.
 
-The workflow owns the run state (DESIGN.md, rule 4): a caller names the policy version it
+The workflow owns the run state (docs/design.md, rule 4): a caller names the policy version it
 expects, and a worker that was lost or holds another version is recreated and brought up
 to date (from the trainer, or from the last checkpoint and the logged updates: recovery.py).
 Failures are domain errors (ratchet.errors); the caller decides how to report them.

@@ -7,7 +7,7 @@ under FSDP2: every rank walks the same plan) as it is packed, cast to the engine
 and handed on before the next bucket is gathered.
 
 numpy has no bfloat16, and numpy arrays move through Ray's object store 2-3x faster than
-torch tensors (DESIGN.md), so a bfloat16 tensor travels as its raw 16-bit pattern (an
+torch tensors (docs/design.md), so a bfloat16 tensor travels as its raw 16-bit pattern (an
 int16 array) tagged "bfloat16"; `decode` widens it to float32 for the engine, one tensor
 at a time, which is exact (the engine casts it back).
 """

@@ -1,0 +1,67 @@
+"""Which tool class a tool config's `class_name` means: ratchet's own tools by short name,
+the verl classes they stand in for, or a tool of your own ('package.module:Class' or
+'path/to/file.py:Class'). Torch-free, so the config schema checks names at submit time."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+# class_name -> "module:Class"
+TOOL_CLASSES: dict[str, str] = {
+    "calculator": "ratchet.tools.calculator:Calculator",
+    "ratchet.tools.calculator.Calculator": "ratchet.tools.calculator:Calculator",
+    "code_runner": "ratchet.tools.code_runner:CodeRunner",
+    "ratchet.tools.code_runner.CodeRunner": "ratchet.tools.code_runner:CodeRunner",
+    # verl's sandboxed code tool takes the same `code` argument; ours runs it locally.
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "ratchet.tools.code_runner:CodeRunner",
+}
+
+
+def is_import_path(class_name: str) -> bool:
+    """'package.module:Class' or 'path/to/file.py:Class': a tool of the user's own."""
+    target, sep, attr = class_name.rpartition(":")
+    return bool(sep and target and attr.isidentifier())
+
+
+def check_class_name(class_name: object, where: str) -> str:
+    if not isinstance(class_name, str) or not class_name:
+        raise ValueError(f"{where}: class_name must be a non-empty string, got {class_name!r}")
+    if class_name in TOOL_CLASSES or is_import_path(class_name):
+        return class_name
+    raise ValueError(
+        f"{where}: unknown tool class {class_name!r}; known: {', '.join(TOOL_CLASSES)}; "
+        "or name a tool of your own as 'package.module:Class' or 'path/to/file.py:Class'"
+    )
+
+
+def resolve_class(class_name: str, where: str = "class_name") -> type:
+    """The class `class_name` names (imported now); ValueError saying what is wrong."""
+    spec = TOOL_CLASSES.get(class_name, class_name)
+    check_class_name(class_name, where)
+    target, _, attr = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            path = Path(target).expanduser().resolve()
+            if not path.is_file():
+                raise ValueError(f"{where}: file not found: {path}")
+            name = f"ratchet_user_tool_{abs(hash(str(path)))}"
+            module = sys.modules.get(name)
+            if module is None:
+                loader_spec = importlib.util.spec_from_file_location(name, path)
+                assert loader_spec is not None and loader_spec.loader is not None
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[name] = module
+                loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's module: any import failure is reported
+        raise ValueError(f"{where}: cannot import {target}: {type(e).__name__}: {e}") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ValueError(f"{where}: {target} has no attribute {attr!r}")
+    return cls
