@@ -16,11 +16,20 @@ STEPS = 2
 FAST = ["warmup.steps=0", "data.eval_files=null", f"loop.steps={STEPS}", "loop.prompts_per_step=8", "rollout.n=4"]
 
 CASES = {
-    "ppo_gae": (["algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95", "critic.warmup_steps=1"], {"vf_loss", "values_mean", "returns_mean"}),
+    "ppo_gae_reinforce_is_bypass": (
+        [
+            "algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=0.95", "critic.warmup_steps=1",
+            "algorithm.policy_loss=reinforce_is", "algorithm.off_policy.mode=bypass", "algorithm.loss_agg_mode=seq-mean-token-sum",
+        ],  # fmt: skip
+        {"vf_loss", "values_mean", "returns_mean"},
+    ),
     "rloo_dual_clip": (["algorithm.adv_estimator=rloo", "algorithm.policy_loss=dual_clip"], set()),
-    "reinforce_plus_plus": (["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl.in_reward=true"], {"kl_in_reward"}),
-    "grpo_decoupled": (
-        ["algorithm.off_policy.mode=decoupled", "algorithm.off_policy.cap=2.0"],
+    "reinforce_plus_plus_kl_cov": (
+        ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl.in_reward=true", "algorithm.policy_loss=kl_cov", "algorithm.kl_cov_ratio=0.02"],
+        {"kl_in_reward"},
+    ),
+    "opo_token_sum_decoupled": (
+        ["algorithm.adv_estimator=opo", "algorithm.loss_agg_mode=token-sum", "algorithm.off_policy.mode=decoupled", "algorithm.off_policy.cap=2.0"],
         {"off_policy/is_weight_mean", "off_policy/is_weight_max"},
     ),
     "remax_cispo": (["algorithm.adv_estimator=remax", "algorithm.policy_loss=cispo", "algorithm.loss_agg_mode=seq-mean-token-sum-norm"], set()),
@@ -28,23 +37,19 @@ CASES = {
         ["algorithm.dynamic_sampling=true", "algorithm.clip_ratio_high=0.28", "algorithm.overlong.buffer_len=2", "algorithm.loss_agg_mode=token-mean"],
         {"kept_fraction", "rollout_rounds"},
     ),
-    "gspo": (["algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004", "algorithm.loss_agg_mode=seq-mean-token-mean"], set()),
+    "grpo_passk_gspo": (["algorithm.adv_estimator=grpo_passk", "algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004", "algorithm.loss_agg_mode=seq-mean-token-mean"], set()),
     "adaptive_kl": (
         [
             "algorithm.kl.coef=0.05", "algorithm.kl.target=0.01", "algorithm.kl.horizon=100",
-            "algorithm.adv_estimator=reinforce_plus_plus_baseline", "algorithm.off_policy.mode=tis",
+            "algorithm.adv_estimator=reinforce_plus_plus_baseline", "algorithm.off_policy.mode=tis", "algorithm.policy_loss=dppo_kl",
         ],  # fmt: skip
         {"kl_coef", "off_policy/frac_truncated"},
     ),
     # verl's wider catalogue: each run combines a new estimator, a new loss and a new
-    # correction, so every one goes through the workflow in 8 runs, not 22. Two PPO epochs
+    # correction, so every registered name goes through the workflow in 14 runs. Two PPO epochs
     # where the loss differs from REINFORCE only once the ratio leaves 1.
     "otb_sapo": (
         ["algorithm.adv_estimator=optimal_token_baseline", "algorithm.policy_loss=sapo", "algorithm.loss_agg_mode=seq-mean-token-mean", "trainer.ppo_epochs=2"],
-        set(),
-    ),
-    "opo_kl_cov_token_sum": (
-        ["algorithm.adv_estimator=opo", "algorithm.policy_loss=kl_cov", "algorithm.kl_cov_ratio=0.02", "algorithm.loss_agg_mode=token-sum"],
         set(),
     ),
     "gpg_dppo_tv_rejection_and_is": (
@@ -55,7 +60,6 @@ CASES = {
         ],
         {"off_policy/frac_truncated", "off_policy/rs_k2_token_frac_masked"},
     ),
-    "grpo_passk_dppo_kl": (["algorithm.adv_estimator=grpo_passk", "algorithm.policy_loss=dppo_kl", "trainer.ppo_epochs=2"], set()),
     "gmpo_icepop_k3_rejection": (
         [
             "loop.mode=one_step_off", "algorithm.policy_loss=gmpo", "algorithm.clip_ratio_low=0.4", "algorithm.clip_ratio_high=0.4",
@@ -81,10 +85,6 @@ CASES = {
             "algorithm.off_policy.rejection=[{statistic: ratio, level: token, low: 0.5, high: 4.0}, {statistic: k2, level: seq_max, high: 1.0}]",
         ],  # fmt: skip
         {"off_policy/rs_ratio_token_frac_masked", "off_policy/rs_k2_seq_max_frac_masked"},
-    ),
-    "reinforce_is_bypass": (
-        ["algorithm.policy_loss=reinforce_is", "algorithm.off_policy.mode=bypass", "algorithm.loss_agg_mode=seq-mean-token-sum"],
-        set(),
     ),
 }
 

@@ -355,7 +355,7 @@ def test_a_tool_that_does_not_build_is_refused_at_submit(tiny_model, tmp_path):
         load_config(EXAMPLE, [f"model.path={tiny_model}", f"rollout.multi_turn.tools_config={tools}"])
     (field, message), = [i for i in err.value.issues if i[0].startswith("rollout.multi_turn")]
     assert field == "rollout.multi_turn.tools[0].class_name"
-    assert message.startswith(f"cannot import {tmp_path}/broken.py: ImportError: needs a package that is not installed")
+    assert message.startswith(f"cannot import '{tmp_path}/broken.py': ImportError: needs a package that is not installed")
     # A relative file path is made absolute: the workers run in other folders.
     (tmp_path / "ok.py").write_text("from ratchet.tools.calculator import Calculator as Tool\n")
     tools.write_text("tools:\n  - class_name: ok.py:Tool\n")

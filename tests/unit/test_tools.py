@@ -247,7 +247,7 @@ def test_bad_tool_settings_and_missing_file_name_the_field(tmp_path):
     (tmp_path / "bad.yaml").write_text("tools: [unclosed")
     with pytest.raises(ValueError, match="rollout.multi_turn.tools_config: cannot read"):
         load_tools_file(tmp_path / "bad.yaml")
-    with pytest.raises(ValueError, match="cannot import no_such_module_xyz: ModuleNotFoundError"):
+    with pytest.raises(ValueError, match="cannot import 'no_such_module_xyz': ModuleNotFoundError"):
         build_tools(parse_tools({"tools": [{"class_name": "no_such_module_xyz:Tool"}]}))
 
 

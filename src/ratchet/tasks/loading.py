@@ -16,13 +16,11 @@ Both import through `import_function`.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
+
+from ratchet.user_code import UserCodeError, import_user_module
 
 REQUIRED_PARAMS = ("data_source", "solution_str", "ground_truth")
 TOKEN_PARAMS = ("response_ids", "prompt_ids", "completion_ids")
@@ -127,23 +125,9 @@ def import_function(spec: str) -> Callable[..., Any]:
     if not sep or not target or not fn_name:
         raise RewardLoadError(f"{spec!r} is not 'module:function' or 'path/to/file.py:function'")
     try:
-        if target.endswith(".py"):
-            path = Path(target).expanduser().resolve()
-            if not path.is_file():
-                raise RewardLoadError(f"file not found: {path}")
-            mod_name = f"ratchet_user_reward_{abs(hash(str(path)))}"
-            module = sys.modules.get(mod_name)
-            if module is None:
-                loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-                module = importlib.util.module_from_spec(loader_spec)
-                loader_spec.loader.exec_module(module)
-                sys.modules[mod_name] = module
-        else:
-            module = importlib.import_module(target)
-    except RewardLoadError:
-        raise
-    except Exception as exc:  # any import-time failure of user code is a config error
-        raise RewardLoadError(f"cannot import {target!r}: {type(exc).__name__}: {exc}") from exc
+        module = import_user_module(target, "ratchet_user_reward")
+    except UserCodeError as exc:
+        raise RewardLoadError(str(exc)) from exc
     fn = getattr(module, fn_name, None)
     if fn is None:
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))

@@ -4,10 +4,7 @@ the verl classes they stand in for, or a tool of your own ('package.module:Class
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
+from ratchet.user_code import UserCodeError, import_user_module
 
 # class_name -> "module:Class"
 TOOL_CLASSES: dict[str, str] = {
@@ -43,24 +40,9 @@ def resolve_class(class_name: str, where: str = "class_name") -> type:
     check_class_name(class_name, where)
     target, _, attr = spec.rpartition(":")
     try:
-        if target.endswith(".py"):
-            path = Path(target).expanduser().resolve()
-            if not path.is_file():
-                raise ValueError(f"{where}: file not found: {path}")
-            name = f"ratchet_user_tool_{abs(hash(str(path)))}"
-            module = sys.modules.get(name)
-            if module is None:
-                loader_spec = importlib.util.spec_from_file_location(name, path)
-                assert loader_spec is not None and loader_spec.loader is not None
-                module = importlib.util.module_from_spec(loader_spec)
-                sys.modules[name] = module
-                loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's module: any import failure is reported
-        raise ValueError(f"{where}: cannot import {target}: {type(e).__name__}: {e}") from None
+        module = import_user_module(target, "ratchet_user_tool")
+    except UserCodeError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     cls = getattr(module, attr, None)
     if cls is None:
         raise ValueError(f"{where}: {target} has no attribute {attr!r}")

@@ -19,7 +19,6 @@ scoring, on every sample of the batch; the trainer counts the drops
 from __future__ import annotations
 
 import math
-import traceback
 
 import torch
 
@@ -27,6 +26,7 @@ from ratchet.errors import NonFiniteError, RewardFunctionError
 from ratchet.tasks.loading import load_filter_fn
 
 from .batch import RolloutBatch
+from .scoring import sample_where, user_code_failed
 
 FIELD = "rollout.filter"
 
@@ -39,11 +39,6 @@ def filtered_groups(group: torch.Tensor, keep: torch.Tensor | None) -> torch.Ten
         return group
     own = -1 - torch.arange(len(group), dtype=group.dtype)
     return torch.where(keep.bool(), group, own)
-
-
-def _where(batch_index: int | None, row: int, info: dict) -> str:
-    at = f"batch {batch_index}, " if batch_index is not None else ""
-    return f"{at}row {row} (data_source {info.get('data_source')!r})"
 
 
 def _texts(batch: RolloutBatch, row: int, tokenizer) -> tuple[str, str]:
@@ -97,15 +92,11 @@ class RolloutFilter:
         rewards = rewards.clone()
         for row, info in enumerate(batch.samples):
             prompt, response = _texts(batch, row, tokenizer)
-            where = _where(batch_index, row, info)
+            where = sample_where(batch_index, row, info)
             try:
                 out = self.fn(prompt=prompt, response=response, data_source=info["data_source"], extra_info=info.get("extra_info"))
             except Exception as e:  # noqa: BLE001 - user code: any error is the user's to fix
-                frame = traceback.extract_tb(e.__traceback__)[-1]
-                raise RewardFunctionError(
-                    f"the rollout filter raised {type(e).__name__}: {e} at {where}, in {frame.filename}:{frame.lineno} "
-                    f"({frame.name}); fix {FIELD}"
-                ) from e
+                raise user_code_failed("rollout filter", e, where, FIELD) from e
             keep[row], reward = self._verdict(out, where)
             if reward is not None:
                 rewards[row] = reward

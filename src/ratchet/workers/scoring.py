@@ -9,17 +9,27 @@ from typing import Callable
 
 import torch
 
+from ratchet.algorithms import response_span_lengths
 from ratchet.errors import NonFiniteError, RewardFunctionError
 from ratchet.tasks.loading import RewardFunction
-
-from ratchet.algorithms import response_span_lengths
 
 from .batch import RolloutBatch
 
 
-def _where(batch_index: int | None, row: int, info: dict) -> str:
+def sample_where(batch_index: int | None, row: int, info: dict) -> str:
+    """Where a sample is, for an error message: 'batch 3, row 1 (data_source 'x')'."""
     at = f"batch {batch_index}, " if batch_index is not None else ""
     return f"{at}row {row} (data_source {info.get('data_source')!r})"
+
+
+def user_code_failed(what: str, e: Exception, where: str, field: str) -> RewardFunctionError:
+    """The error for a user's function (reward, cost, rollout filter) that raised on a
+    sample: what raised, on which sample, at which line of the user's code, and the key to
+    fix. Not retryable: a bug there fails the same on every retry."""
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return RewardFunctionError(
+        f"the {what} raised {type(e).__name__}: {e} at {where}, in {frame.filename}:{frame.lineno} ({frame.name}); fix {field}"
+    )
 
 
 def _call(
@@ -37,11 +47,7 @@ def _call(
             **(token_args or {}),
         )
     except Exception as e:  # noqa: BLE001 - user code: any error is the user's to fix
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        raise RewardFunctionError(
-            f"the {_role(field)} raised {type(e).__name__}: {e} at {_where(batch_index, row, info)}, in {frame.filename}:"
-            f"{frame.lineno} ({frame.name}); fix {field}"
-        ) from e
+        raise user_code_failed(_role(field), e, sample_where(batch_index, row, info), field) from e
 
 
 def _role(field: str) -> str:
@@ -56,7 +62,7 @@ def check_finite_rewards(rewards: torch.Tensor, samples: list[dict], batch_index
     if bad:
         row = bad[0]
         raise NonFiniteError(
-            f"{what} gave {float(rewards[row])} at {_where(batch_index, row, samples[row])} ({len(bad)} non-finite rewards in "
+            f"{what} gave {float(rewards[row])} at {sample_where(batch_index, row, samples[row])} ({len(bad)} non-finite rewards in "
             "the batch); rewards must be finite numbers: fix the reward function or reward model"
         )
 
@@ -90,7 +96,7 @@ def score_batch(
         if isinstance(out, dict):
             if "score" not in out:
                 raise RewardFunctionError(
-                    f"{role} returned a dict without 'score': {sorted(out)} at {_where(batch_index, row, info)}; fix {field}"
+                    f"{role} returned a dict without 'score': {sorted(out)} at {sample_where(batch_index, row, info)}; fix {field}"
                 )
             score = out["score"]
             extras.append({k: float(v) for k, v in out.items() if k != "score" and isinstance(v, (int, float))})
@@ -101,12 +107,12 @@ def score_batch(
             value = float(score)
         except (TypeError, ValueError):
             raise RewardFunctionError(
-                f"the {role} returned {score!r} ({type(score).__name__}) at {_where(batch_index, row, info)}; it must "
+                f"the {role} returned {score!r} ({type(score).__name__}) at {sample_where(batch_index, row, info)}; it must "
                 f"return a number or a dict with a numeric 'score' (fix {field})"
             ) from None
         if not math.isfinite(value):  # at once: the rows after it are not scored
             raise NonFiniteError(
-                f"the {role} gave {value} at {_where(batch_index, row, info)}; {role.split()[0]}s must be finite numbers: "
+                f"the {role} gave {value} at {sample_where(batch_index, row, info)}; {role.split()[0]}s must be finite numbers: "
                 f"fix {field}"
             )
         rewards.append(value)

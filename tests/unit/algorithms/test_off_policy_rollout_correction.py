@@ -363,8 +363,8 @@ def test_two_gloo_ranks_normalise_and_report_the_global_batch(tmp_path):
     import torch.multiprocessing as mp
 
     out = tmp_path / "rank0.pt"
-    # fork, not spawn: the children need no fresh interpreter (about 1 s instead of 10 on a loaded machine)
-    mp.start_processes(_gloo_rank, args=(2, free_ports(1)[0], str(out)), nprocs=2, join=True, start_method="fork")
+    # spawn, not fork: a test process that loaded vLLM earlier (same xdist worker) cannot fork safely
+    mp.start_processes(_gloo_rank, args=(2, free_ports(1)[0], str(out)), nprocs=2, join=True, start_method="spawn")
     got = torch.load(out)
     full = correct(old=GLOO_OLD, rollout=GLOO_ROLL, mask=GLOO_MASK, **GLOO_KW)
     assert 0 < full.metrics["frac_masked"] < 1 and full.metrics["batch_norm_factor"] != 1.0  # the case is not trivial
