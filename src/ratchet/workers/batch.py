@@ -23,6 +23,19 @@ TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "
 
 
 @dataclass
+class SampleRow:
+    """One generated sample before padding: what `RolloutBatch.pack` lays out as a row."""
+
+    prompt: list[int]  # the prompt's token ids
+    tokens: list[int]  # the response's token ids
+    logprobs: list[float]  # behaviour log-probs, one per response token
+    versions: list[int]  # the policy version that produced each response token
+    prompt_index: int
+    sample: dict  # data_source, ground_truth, extra_info, ...
+    mask: list[float] | None = None  # per response token; None: all 1 (holes: multi-turn tool output)
+
+
+@dataclass
 class RolloutBatch:
     prompt_ids: torch.Tensor  # [B, P] int64, left-padded
     prompt_mask: torch.Tensor  # [B, P] int64
@@ -35,6 +48,38 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
+
+    @classmethod
+    def pack(cls, rows: list[SampleRow], pad_id: int) -> "RolloutBatch":
+        """The batch of `rows`: prompts left-padded, responses right-padded (see the module docstring)."""
+        b = len(rows)
+        prompt_w = max(len(r.prompt) for r in rows)
+        resp_w = max(1, max(len(r.tokens) for r in rows))
+        prompt_ids = torch.full((b, prompt_w), pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((b, prompt_w), dtype=torch.long)
+        response_ids = torch.full((b, resp_w), pad_id, dtype=torch.long)
+        response_mask = torch.zeros((b, resp_w), dtype=torch.float32)
+        logprobs = torch.zeros((b, resp_w), dtype=torch.float32)
+        versions = torch.zeros((b, resp_w), dtype=torch.long)
+        for i, row in enumerate(rows):
+            prompt_ids[i, prompt_w - len(row.prompt) :] = torch.tensor(row.prompt)
+            prompt_mask[i, prompt_w - len(row.prompt) :] = 1
+            k = len(row.tokens)
+            if k:
+                response_ids[i, :k] = torch.tensor(row.tokens)
+                response_mask[i, :k] = 1.0 if row.mask is None else torch.tensor(row.mask)
+                logprobs[i, :k] = torch.tensor(row.logprobs)
+                versions[i, :k] = torch.tensor(row.versions)
+        return cls(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            rollout_logprobs=logprobs,
+            policy_version=versions,
+            prompt_index=torch.tensor([r.prompt_index for r in rows], dtype=torch.long),
+            samples=[r.sample for r in rows],
+        )
 
     @property
     def input_ids(self) -> torch.Tensor:

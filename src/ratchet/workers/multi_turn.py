@@ -36,13 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ratchet.tools.base import ToolOutcome, run_tool
 from ratchet.tools.config import build_tools, parse_tools, parse_tools_kwargs
 from ratchet.tools.parsing import CallFormat, call_format
 
-from .batch import RolloutBatch
+from .batch import RolloutBatch, SampleRow
 from .engines import Engine, Generation, SamplingParams, WeightSwap
 
 if TYPE_CHECKING:
@@ -294,36 +292,11 @@ class MultiTurnRollout:
         return ids
 
     def _batch(self, convs: list[Conversation], prompts: "PromptSet", pad_id: int) -> RolloutBatch:
-        b = len(convs)
-        prompt_w = max(len(c.prompt) for c in convs)
-        resp_w = max(1, max(len(c.tokens) for c in convs))
-        prompt_ids = torch.full((b, prompt_w), pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((b, prompt_w), dtype=torch.long)
-        response_ids = torch.full((b, resp_w), pad_id, dtype=torch.long)
-        response_mask = torch.zeros((b, resp_w), dtype=torch.float32)
-        logprobs = torch.zeros((b, resp_w), dtype=torch.float32)
-        versions = torch.zeros((b, resp_w), dtype=torch.long)
-        samples = []
-        for r, c in enumerate(convs):
-            prompt_ids[r, prompt_w - len(c.prompt) :] = torch.tensor(c.prompt)
-            prompt_mask[r, prompt_w - len(c.prompt) :] = 1
-            k = len(c.tokens)
-            if k:
-                response_ids[r, :k] = torch.tensor(c.tokens)
-                response_mask[r, :k] = torch.tensor(c.mask)
-                logprobs[r, :k] = torch.tensor(c.logprobs)
-                versions[r, :k] = torch.tensor(c.versions)
+        rows = []
+        for c in convs:
             info = prompts.sample_info(c.prompt_index)
             extra = dict(info.get("extra_info") or {})
             extra.update(tool_calls=c.calls, num_turns=c.turns, stop_reason=c.stop_reason)
-            samples.append({**info, "extra_info": extra, "turns": c.spans})
-        return RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=response_ids,
-            response_mask=response_mask,
-            rollout_logprobs=logprobs,
-            policy_version=versions,
-            prompt_index=torch.tensor([c.prompt_index for c in convs], dtype=torch.long),
-            samples=samples,
-        )
+            sample = {**info, "extra_info": extra, "turns": c.spans}
+            rows.append(SampleRow(c.prompt, c.tokens, c.logprobs, c.versions, c.prompt_index, sample, mask=c.mask))
+        return RolloutBatch.pack(rows, pad_id)

@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import torch
-
 from ratchet.data.order import epoch_order
 
-from .batch import RolloutBatch
+from .batch import RolloutBatch, SampleRow
 from .engines import Engine, SamplingParams, WeightSwap
 from .prompts import PromptSet
 
@@ -78,33 +76,16 @@ def generate_batch(
             engine, prompts, indices, params, policy_version=policy_version, pad_id=pad_id, weight_swap=weight_swap
         )
     groups = engine.generate([prompts.token_ids[i] for i in indices], params, version=policy_version, weight_swap=weight_swap)
-    rows = [(idx, gen) for idx, group in zip(indices, groups) for gen in group]
-    prompt_w = max(len(prompts.token_ids[i]) for i in indices)
-    resp_w = max(1, max(len(g.token_ids) for _, g in rows))
-    b = len(rows)
-    prompt_ids = torch.full((b, prompt_w), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((b, prompt_w), dtype=torch.long)
-    response_ids = torch.full((b, resp_w), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((b, resp_w), dtype=torch.float32)
-    logprobs = torch.zeros((b, resp_w), dtype=torch.float32)
-    versions = torch.zeros((b, resp_w), dtype=torch.long)
-    for r, (idx, gen) in enumerate(rows):
-        p = prompts.token_ids[idx]
-        prompt_ids[r, prompt_w - len(p) :] = torch.tensor(p)
-        prompt_mask[r, prompt_w - len(p) :] = 1
-        k = len(gen.token_ids)
-        if k:
-            response_ids[r, :k] = torch.tensor(gen.token_ids)
-            response_mask[r, :k] = 1.0
-            logprobs[r, :k] = torch.tensor(gen.logprobs)
-            versions[r, :k] = torch.tensor(gen.versions) if gen.versions else policy_version
-    return RolloutBatch(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        rollout_logprobs=logprobs,
-        policy_version=versions,
-        prompt_index=torch.tensor([idx for idx, _ in rows], dtype=torch.long),
-        samples=[prompts.sample_info(idx) for idx, _ in rows],
-    )
+    rows = [
+        SampleRow(
+            prompt=prompts.token_ids[idx],
+            tokens=gen.token_ids,
+            logprobs=gen.logprobs,
+            versions=gen.versions or [policy_version] * len(gen.token_ids),
+            prompt_index=idx,
+            sample=prompts.sample_info(idx),
+        )
+        for idx, group in zip(indices, groups)
+        for gen in group
+    ]
+    return RolloutBatch.pack(rows, pad_id)
