@@ -256,8 +256,15 @@ class Simulation:
 
 
 def _is_step_marker(e) -> bool:
-    """A metrics line (`record_step`, a local activity): one marker per step."""
-    return e.HasField("marker_recorded_event_attributes") and e.marker_recorded_event_attributes.marker_name == "core_local_activity"
+    """A metrics line, one per step: the `record_step` local activity's marker, or (sync
+    mode) a `step` activity scheduled with the previous step's line in its input."""
+    if e.HasField("marker_recorded_event_attributes"):
+        return e.marker_recorded_event_attributes.marker_name == "core_local_activity"
+    if e.HasField("activity_task_scheduled_event_attributes"):
+        scheduled = e.activity_task_scheduled_event_attributes
+        if scheduled.activity_type.name == "step" and scheduled.input.payloads:
+            return json.loads(scheduled.input.payloads[0].data).get("record") is not None
+    return False
 
 
 @dataclass

@@ -312,6 +312,12 @@ class StepInput:
     kl_coef: float = 0.0
     live: dict[str, Any] = field(default_factory=dict)  # RunState.live.values: set while the run trains
     safe_lambda: float | None = None  # Safe-RLHF's multiplier in force
+    # The previous step's metrics line, written by this activity while it generates (a
+    # local activity of its own would hold the workflow task that schedules this step).
+    record: StepRecord | None = None
+    # Where the next step's prompts start, when the workflow expects one to follow: the
+    # rollout replicas then start on its batch right after this step's weight sync.
+    next_prompt_start: int | None = None
 
 
 @dataclass

@@ -92,16 +92,19 @@ class StandIns:
         return [self._activity(name, answer) for name, answer in answers.items()] + [self._step_activity()]
 
     def _step_activity(self):
-        """Sync mode's `step`: recorded as itself, then as the four phases it runs (each
-        with its stand-in's answer, failure, block or delay), so the phases' order and
-        inputs read as in the other modes."""
-        play = {name: self._play(name, self._answers[name]) for name in ("generate", "score", "train", "sync_weights")}
+        """Sync mode's `step`: recorded as itself, then as what it runs (each with its
+        stand-in's answer, failure, block or delay): the previous step's metrics line it
+        carries as `record_step`, then the four phases, so the order and inputs read as in
+        the other modes."""
+        play = {name: self._play(name, self._answers[name]) for name in ("record_step", "generate", "score", "train", "sync_weights")}
         started = self.started.setdefault("step", asyncio.Event())
 
         async def run(inp: t.StepInput) -> t.StepOutput:
             self.calls.append(("step", inp))
             self.log.append(("start", "step", inp))
             started.set()
+            if inp.record is not None:
+                await play["record_step"](inp.record)
             run_ref = inp.rollout.run
             batch = await play["generate"](inp.rollout)
             scored = await play["score"](t.ScoreInput(run_ref, batch))

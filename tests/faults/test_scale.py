@@ -98,6 +98,8 @@ def test_history_per_step_is_independent_of_replicas_and_ranks_and_segments_stay
         for seg in segments:
             # Suggested after a step crossed the threshold; fully_async also lets the batch
             # being generated finish before it continues as new.
-            assert seg.events <= SUGGEST_EVENTS + 2 * per_step, (mode, seg)
+            # (+1: sync mode's last line before continue-as-new, which no next step carries,
+            # is written by the record_step local activity: its marker.)
+            assert seg.events <= SUGGEST_EVENTS + 2 * per_step + 1, (mode, seg)
         carried = [s.carried_bytes for s in segments if s.carried_bytes]
         assert len(carried) == len(segments) - 1 and max(carried) - min(carried) < 1024, (mode, carried)

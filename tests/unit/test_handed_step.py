@@ -1,9 +1,12 @@
-"""Sync mode's `step` activity hands the batch from actor to actor in memory and trainer
-rank 0 stores it while it updates (workers/batch.py `HandedStep`, `TrainerWorker.train_handed`).
-What durability needs of it, checked in-process (the real trainer, no Ray):
+"""Sync mode's `step` activity hands the batch from actor to actor in memory; the reward
+worker stores it while trainer rank 0 updates on it (workers/batch.py `HandedStep`,
+`RewardWorker.store_handed`, `TrainerWorker.train_handed`). What durability needs of it,
+checked in-process (the real trainer and reward worker, no Ray):
 
 - the stored batch reads back (`load_step`, what recovery replays) to exactly the tensors
   trained on, so a replay makes the same update bit for bit;
+- a first try leaves the storing to the reward worker (a trainer thread serialising it
+  would hold the trainer's GIL during the update);
 - a retried call whose first try updated makes no second update, and reports and stores
   the batch the update used, also when the retry hands over nothing or a different batch.
 """
@@ -76,19 +79,25 @@ def test_retried_train_handed_updates_once_and_stores_the_batch_it_used(tiny_mod
     run = ObjectStore(str(tmp_path / "run"))
     worker = TrainerWorker(make_cfg(tiny_model), str(tiny_model), run.url, 0, 1)
     worker.setup(0)
+    from ratchet.workers.reward import RewardWorker
+
     shares = [share(0, [0, 1])]
-    first, summary = worker.train_handed(0, 0, 0.0, scores_for(shares, 0), *shares)
+    first, summary, published = worker.train_handed(0, 0, 0.0, scores_for(shares, 0), *shares, publish=True)
     assert first.policy_version == 1
+    assert published is None  # no Ray here: nothing to put the weights into
     weights = {k: v.clone() for k, v in worker.trainer.full_state().items()}
     store = BatchStore(run)
+    assert run.get_json(RunLayout.train_log(0))["batch"] == 0  # the update's log is written before it reports
+    assert store.has(0, "advantages")
+    assert not store.has(0, "rollout"), "a first try's batch is the reward worker's to store"
+    RewardWorker(make_cfg(tiny_model), str(tiny_model), run.url).store_handed(0, scores_for(shares, 0), *shares)
     assert torch.equal(load_step(store, 0).batch.response_ids, shares[0].batch.response_ids)
-    assert run.get_json(RunLayout.train_log(0))["batch"] == 0
 
     # The batch store lost the batch, and the retry regenerated another one (or none).
     run.delete(store.key(0, "rollout"))
     other = [share(9, [0, 1])]
     for retry in ((scores_for(other, 9), *other), ()):
-        again, again_summary = worker.train_handed(0, 0, 0.0, *retry)
+        again, again_summary, _ = worker.train_handed(0, 0, 0.0, *retry)
         assert again.policy_version == 1 and again.metrics["pg_loss"] == first.metrics["pg_loss"]
         assert again_summary == summary
         assert all(torch.equal(weights[k], v) for k, v in worker.trainer.full_state().items()), "no second update"

@@ -216,6 +216,21 @@ def test_metrics_log_one_line_per_step_latest_wins(tmp_path):
     assert all_files(tmp_path) == ["metrics.jsonl"]
 
 
+def test_metrics_log_appends_a_new_step_without_reencoding_the_lines_before(tmp_path):
+    """A long run's file is not parsed and rewritten whole at every step: a step after the
+    last is appended, the earlier lines kept byte for byte (here: spacing json.dumps would
+    not write); a file cut before its last newline still gets whole lines."""
+    store = ObjectStore(str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text('{"step":0,  "reward": 0.1}\n{"step": 1, "reward": 0.2}')
+    log = MetricsLog(store, clock=lambda: 0.0)
+    log.write(2, {"reward": 0.3})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[:2] == ['{"step":0,  "reward": 0.1}', '{"step": 1, "reward": 0.2}']
+    assert [r["step"] for r in log.read()] == [0, 1, 2] and log.read()[2]["reward"] == 0.3
+    log.write(1, {"reward": 0.25})  # a retried step: the whole file, keyed by step
+    assert [(r["step"], r["reward"]) for r in log.read()] == [(0, 0.1), (1, 0.25), (2, 0.3)]
+
+
 def test_metrics_log_custom_key_and_file_url(tmp_path):
     log = MetricsLog(ObjectStore(f"file://{tmp_path}"), key="evals/metrics.jsonl", clock=lambda: 1.5)
     log.write(2, {"acc": 1.0})

@@ -170,6 +170,37 @@ def test_local_loop_samples_what_the_rollout_worker_samples(tiny_model, copy_dat
     assert refill_seed == sampling_seed(7, 3, 1) != rollout_seed
 
 
+def test_a_prefetched_share_is_the_one_its_request_would_generate(tiny_model, copy_data, tmp_path):
+    """Sync mode starts the next batch right after the weight sync (`prefetch_share`): the
+    request with the same arguments gets exactly the samples it would have generated itself,
+    with no second generation; other arguments or a weight load in between: generated anew."""
+    from ratchet.workers.rollout import RolloutWorker
+
+    cfg = make_cfg(tiny_model, data={"train_files": str(copy_data)}, rollout={"n": 2, "max_response_length": 4}, loop={"prompts_per_step": 2})
+    worker = RolloutWorker(cfg, str(tiny_model), str(tmp_path / "run"))
+    args = (5, 10, 2, 0, 0, False, 0)  # batch, prompt start, count, version, part, exact, position
+    _, fresh = worker.generate_share_and_version(*args)
+    worker.prefetch_share(*args)
+    generations = []
+    worker.generate_share = lambda *a: generations.append(a) or RolloutWorker.generate_share(worker, *a)
+    version, ahead = worker.generate_share_and_version(*args)
+    assert generations == [] and version == 0
+    for name in ("response_ids", "response_mask", "rollout_logprobs", "prompt_index"):
+        assert torch.equal(getattr(ahead.batch, name), getattr(fresh.batch, name)), name
+    worker.generate_share_and_version(*args)  # a kept share serves one request only
+    assert len(generations) == 1
+
+    worker.prefetch_share(*args)
+    worker.generate_share_and_version(6, 12, 2, 0, 0, False, 0)  # another batch: generated, and the kept one dropped
+    worker.generate_share_and_version(*args)
+    assert len(generations) == 4  # the prefetch, the other batch, this one again
+
+    worker.prefetch_share(*args)
+    worker.load_weights({k: v.detach().numpy() for k, v in worker.engine.model.state_dict().items()}, version=0)
+    worker.generate_share_and_version(*args)  # a load in between: those samples came from the old weights
+    assert len(generations) == 6
+
+
 # --------------------------------------------------------------------------- HFEngine
 
 

@@ -26,6 +26,11 @@ from ratchet.workers.actors import WaitTimeout
 from .translate import from_ray_error
 
 POLL_SECONDS = 1.0
+# A step makes a dozen short waits; a heartbeat after each (payload conversion on the
+# worker's event loop, contending for the GIL with the activity) cost ~4 ms a step. At
+# most this often instead: far below the shortest heartbeat timeout (loop.heartbeat_timeout_s > 1).
+HEARTBEAT_EVERY_S = 0.25
+_last_beat = threading.local()  # per activity thread: when it last heartbeat
 
 __all__ = ["ACTIVITY_WAITER", "POLL_SECONDS", "WaitTimeout", "heartbeating", "wait"]
 
@@ -73,7 +78,7 @@ def wait(refs: Any, *, details: Any = None, timeout_s: float | None = None) -> A
                     for ref in pending:
                         ray.cancel(ref, force=False)
                     raise CancelledError("activity cancelled; its Ray work was cancelled too")
-                activity.heartbeat(details)
+                _heartbeat_now_and_then(details)
             if pending and deadline is not None and time.monotonic() >= deadline:
                 raise WaitTimeout(f"Ray work not done after {timeout_s:g} s")
         values = ray.get([refs] if single else list(refs))
@@ -83,6 +88,13 @@ def wait(refs: Any, *, details: Any = None, timeout_s: float | None = None) -> A
             raise
         raise classified from err
     return values[0] if single else values
+
+
+def _heartbeat_now_and_then(details: Any) -> None:
+    now = time.monotonic()
+    if now - getattr(_last_beat, "at", float("-inf")) >= HEARTBEAT_EVERY_S:
+        _last_beat.at = now
+        activity.heartbeat(details)
 
 
 def beat(details: str) -> None:

@@ -18,12 +18,16 @@ import temporalio.converter
 from temporalio import activity
 
 from ratchet.config.schema import RunConfig
+from ratchet.config.sync_transport import Transport, choose_transport
 from ratchet.errors import CheckpointFailed
 from ratchet.storage import BatchStore, MetricsLog, ObjectStore, RunLayout
 from ratchet import types as t
 from ratchet.ids import check_id
 from ratchet.workers.actors import RunActors, release_run_actors
+from ratchet.workers.actors.rollout_pool import prefetch_shares
+from ratchet.workers.background import BackgroundCall
 from ratchet.workers.columns import Parts
+from ratchet.workers.weight_sync.ray_transport import published_sync
 from ratchet.workers.results import CheckpointOutcome, CheckpointStarted
 
 from . import registry_calls
@@ -192,7 +196,22 @@ def step(inp: t.StepInput) -> t.StepOutput:
     while it updates, and this returns only once it is stored, so every step the workflow
     counts has its batch in the batch store (recovery replays it). A retry is idempotent:
     a trainer that already made this update answers from its retry cache and stores the
-    batch it used. With a critic the batch is stored first (the critic reads it there)."""
+    batch it used. With a critic the batch is stored first (the critic reads it there).
+    The previous step's metrics line (`inp.record`) is written alongside, whatever this
+    step's outcome."""
+    record = inp.record
+    recording = BackgroundCall(lambda: write_record(record), "write-record") if record is not None else None
+    try:
+        out = _step(inp)
+    finally:
+        if recording is not None:
+            recording.join()
+    if recording is not None and recording.error is not None:
+        raise recording.error
+    return out
+
+
+def _step(inp: t.StepInput) -> t.StepOutput:
     ro = inp.rollout
     actors = actors_for(ro.run)
     if actors.cfg.uses_critic:
@@ -200,20 +219,33 @@ def step(inp: t.StepInput) -> t.StepOutput:
         scored = score(t.ScoreInput(ro.run, batch))
         trained = train(t.TrainInput(ro.run, batch, inp.policy_version, kl_coef=inp.kl_coef, live=inp.live, safe_lambda=inp.safe_lambda))
         synced = sync_weights(t.SyncInput(ro.run, trained.policy_version))
+        return t.StepOutput(batch=batch, score=scored, trained=trained, synced=synced)
+    batch, scored, trained, (ranks, replicas, published) = _step_in_memory(actors, inp)
+    t0 = time.perf_counter()
+    if published is not None and replicas:
+        # The new weights fit in one bucket, already in the object store: one load per replica.
+        out = published_sync((trained.policy_version, published), replicas, actors.wait)
+        synced = t.SyncOutput(policy_version=out.version, seconds=time.perf_counter() - t0, megabytes=out.bytes / 1e6)
     else:
-        batch, scored, trained, (ranks, replicas) = _step_in_memory(actors, inp)
         # The ranks and replicas this step just used: not looked up and probed again.
         synced = _synced(actors, trained.policy_version, ranks, replicas or None)
+    if inp.next_prompt_start is not None and replicas and not actors.plan.colocated:
+        # The next batch, as the next step will ask for it, while Temporal schedules that step.
+        prefetch_shares(
+            replicas, ro.batch_index + 1, inp.next_prompt_start, ro.prompt_count, synced.policy_version, part=ro.part,
+            exact=ro.exact_version,
+        )  # fmt: skip
     return t.StepOutput(batch=batch, score=scored, trained=trained, synced=synced)
 
 
-def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.ScoreOutput, t.TrainOutput, tuple[list, list]]:
+def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.ScoreOutput, t.TrainOutput, tuple[list, list, object]]:
     """The step with its batch handed over in memory; also returns the trainer ranks and
-    the rollout replicas it used (none on a retry that found the update made)."""
+    the rollout replicas it used (none on a retry that found the update made), and the new
+    weights when they fit in one bucket (else None)."""
     ro, version = inp.rollout, inp.policy_version
     retrying = activity.info().attempt > 1
     ranks = actors.trainers(version, retrying_update=retrying)
-    scores, shares = None, []
+    scores, shares, stored = None, [], []
     pool = actors.rollout_pool()
     # A retried step whose update was made: the trainer reports (and stores) its batch.
     if not (retrying and wait(ranks[0].policy_version.remote()) == version + 1):
@@ -221,13 +253,22 @@ def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.
         shares = pool.generate_shares(
             ro.batch_index, ro.prompt_start, ro.prompt_count, ro.policy_version, part=ro.part, exact=ro.exact_version
         )
-        scores = actors.score_shares(ro.batch_index, shares)
+        scores, storing = actors.score_shares(ro.batch_index, shares)  # the reward worker stores the batch meanwhile
+        stored.append(storing)
         actors.sleep_rollouts()  # colocated: the engines give the trainer their memory
     t0 = time.perf_counter()
     live = inp.live or None
-    trained, summary = wait(
-        [a.train_handed.remote(ro.batch_index, version, inp.kl_coef, scores, *shares, live=live, safe_lambda=inp.safe_lambda) for a in ranks]
-    )[0]
+    # Small weights come back with the update for a one-call sync (object store transport,
+    # replicas not woken up by that sync: not colocated).
+    publish = bool(shares) and not actors.plan.colocated and choose_transport(actors.plan, actors.cfg) is Transport.OBJECT_STORE
+    outs = wait(
+        [
+            *(a.train_handed.remote(ro.batch_index, version, inp.kl_coef, scores, *shares, live=live, safe_lambda=inp.safe_lambda, publish=publish)
+              for a in ranks),
+            *stored,
+        ]
+    )  # fmt: skip
+    trained, summary, published = outs[0]
     seconds = time.perf_counter() - t0
     run_store = ObjectStore(ro.run.run_uri)
     batch = _batch_ref(ro, run_store.uri(BatchStore(run_store).key(ro.batch_index, Parts.ROLLOUT)), summary)
@@ -240,7 +281,7 @@ def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.
     # A replica lost and recreated during the batch is not among those that generated it:
     # then the sync looks every replica up.
     replicas = pool.healthy if len(pool.healthy) == actors.cfg.rollout.replicas else []
-    return batch, scored, trained_out, (ranks, replicas)
+    return batch, scored, trained_out, (ranks, replicas, published)
 
 
 @activity.defn(name="evaluate")
@@ -313,6 +354,12 @@ def settle_last_checkpoint(run_id: str, ranks: list) -> None:
 @activity.defn(name="record_step")
 @temporal_errors
 def record_step(inp: t.StepRecord) -> None:
+    write_record(inp)
+
+
+def write_record(inp: t.StepRecord) -> None:
+    """A step's metrics line into metrics.jsonl, the trackers and the registry (each keyed by
+    step: a retry rewrites it, never adds a second)."""
     MetricsLog(ObjectStore(inp.run.run_uri)).write(inp.step, inp.metrics)
     tracking_calls.step_recorded(inp)
     registry_calls.step_recorded(inp)

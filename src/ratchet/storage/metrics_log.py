@@ -43,7 +43,17 @@ class MetricsLog:
         return [json.loads(line) for line in self.store.get_bytes(self.key).decode().splitlines() if line.strip()]
 
     def write(self, step: int, record: dict) -> None:
-        by_step = {r["step"]: r for r in self.read()}
-        by_step[step] = {"step": step, **wall_clock_stamp(self.clock()), **record}
+        line = {"step": step, **wall_clock_stamp(self.clock()), **record}
+        old = self.store.get_bytes(self.key) if self.store.exists(self.key) else b""
+        last = old.rstrip(b"\n").rpartition(b"\n")[2]
+        if not last.strip() or json.loads(last)["step"] < step:
+            # The usual case, a step after every line there: appended without parsing the
+            # lines before (a long run's file would otherwise be re-read and re-encoded whole
+            # at every step).
+            head = old if not old or old.endswith(b"\n") else old + b"\n"
+            self.store.put_bytes(self.key, head + (json.dumps(line, sort_keys=True) + "\n").encode())
+            return
+        by_step = {r["step"]: r for r in (json.loads(x) for x in old.decode().splitlines() if x.strip())}
+        by_step[step] = line
         lines = [json.dumps(by_step[s], sort_keys=True) for s in sorted(by_step)]
         self.store.put_bytes(self.key, ("\n".join(lines) + "\n").encode())

@@ -54,7 +54,7 @@ class ValueModel(torch.nn.Module):
         """[B, R] values of the response tokens."""
         mask = batch.attention_mask
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = self.backbone(input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        hidden = self.backbone(input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).last_hidden_state
         p, r = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         return self.value_head(hidden[:, p - 1 : p - 1 + r]).squeeze(-1).float() * batch.response_mask
 

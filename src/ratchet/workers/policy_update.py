@@ -113,7 +113,7 @@ def response_logits(model: torch.nn.Module, batch: RolloutBatch, temperature: fl
     """Logits [B, R, V] that predicted each response token, divided by the sampling temperature."""
     mask = batch.attention_mask
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids).logits
+    logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
     prompt_len = batch.prompt_ids.shape[1]
     response_len = batch.response_ids.shape[1]
     return logits[:, prompt_len - 1 : prompt_len - 1 + response_len].float() / temperature

@@ -74,6 +74,8 @@ class RolloutWorker:
         self._cv = threading.Condition()
         self._generating = False
         self._pending: tuple[Mapping[str, np.ndarray], int] | None = None
+        # A share generated ahead of its request (`prefetch_share`), by its request's arguments.
+        self._prefetched: tuple[tuple, RolloutShare] | None = None
 
     def policy_version(self) -> int:
         return self.version
@@ -107,8 +109,28 @@ class RolloutWorker:
         """`generate_share`, returned as (its policy version, the share): called with Ray's
         num_returns=2, the rollout pool waits on the small first value and hands the share
         on by reference, never fetching it (workers/actors/rollout_pool.py)."""
-        share = self.generate_share(batch_index, prompt_start, prompt_count, policy_version, part, exact, position)
+        key = (batch_index, prompt_start, prompt_count, policy_version, part, exact, position)
+        ahead, self._prefetched = self._prefetched, None
+        share = ahead[1] if ahead is not None and ahead[0] == key else self.generate_share(*key)
         return share.policy_version, share
+
+    def prefetch_share(
+        self, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, part: int = 0, exact: bool = False,
+        position: int = 0,
+    ) -> None:  # fmt: skip
+        """Generate the share a request with these arguments will ask for, and keep it for
+        that request (`generate_share_and_version`). Sync mode starts the next batch so
+        right after the weight sync, while Temporal records the step and schedules the
+        next one (rollout_pool.prefetch_shares). The samples are those the request would
+        generate (the same seeds and weights: any weight load drops a kept share), so a
+        wrong guess only costs the generation. Never raises: the request generates anew."""
+        key = (batch_index, prompt_start, prompt_count, policy_version, part, exact, position)
+        try:
+            share = self.generate_share(*key)
+        except Exception:  # noqa: BLE001 - the request itself reports it
+            log.warning("prefetching batch %d (prompts from %d) failed; its request generates it", batch_index, prompt_start, exc_info=True)
+            return
+        self._prefetched = (key, share)
 
     def save_shares(self, batch_index: int, part: int, *shares: RolloutShare) -> GenerateResult:
         """Store the shares, in the order given, as rollout part `part` of batch
@@ -301,6 +323,7 @@ class RolloutWorker:
         reloads it in full. A failed hand-over is recorded for its waiter, not raised here
         (a generation that ends must not fail for it)."""
         writer = None
+        self._prefetched = None  # generated with the weights being replaced
         try:
             buckets = source.buckets()
             if record:  # a deterministic run's policy log, written as the weights stream past

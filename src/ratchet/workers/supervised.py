@@ -193,7 +193,7 @@ class _StageTrainer:
         from ratchet.algorithms.sft import token_logprobs
 
         ids, attn, mask = self._batch(encoded)
-        logits = model(input_ids=ids, attention_mask=attn).logits
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
         return token_logprobs(logits, ids), mask
 
     # -- losses ----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
 
+from .background import BackgroundCall
 from .batch import HandedStep, HandedSummary, ScoredStep, StepScores, load_step
 from .columns import Fields, Parts
 from .hf_io import local_hf_path, upload_hf_folder, write_hf_folder
@@ -176,13 +177,18 @@ class TrainerWorker:
 
     def _publish(self) -> None:
         """Put this version's buckets into the object store (rank 0; every rank gathers)."""
-        entries, manifest = self._sync_plan()
+        source = self._put_buckets(*self._sync_plan())
+        if source is not None:
+            self._published = (self.trainer.version, source)
+
+    def _put_buckets(self, entries, manifest) -> PublishedSource | None:
+        """Every bucket of `manifest` into the object store, once the weights are checked
+        finite; the source on rank 0, None on the others (they only join the gathers)."""
         check_finite_shards(entries, f"the weights of policy v{self.trainer.version} (to be synced)", self.world_size)
         refs: list = []
         put = refs.append if self.rank == 0 and ray.is_initialized() else None
         gather_and_offer(entries, manifest, (lambda b: put(ray.put(b))) if put else None)
-        if put:
-            self._published = (self.trainer.version, PublishedSource(manifest, refs))
+        return PublishedSource(manifest, refs) if put else None
 
     @ray.method(concurrency_group="published")
     def published_weights(self) -> tuple[int, PublishedSource] | None:
@@ -304,6 +310,7 @@ class TrainerWorker:
     def train(
         self, batch_index: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None,
         data: ScoredStep | None = None, live: dict | None = None, safe_lambda: float | None = None,
+        write_behind: list | None = None,
     ) -> TrainResult:  # fmt: skip
         """Update policy v`policy_version` on stored batch `batch_index`. A retried activity
         whose first attempt already updated the policy gets that update's result instead of
@@ -312,7 +319,8 @@ class TrainerWorker:
         `live`: hyper-parameters set while the run trains (config/live_keys.py), over the
         config for this update only; logged with it, so a replay uses them again.
         `safe_lambda`: Safe-RLHF's multiplier in force (None: safety.lambda_init), logged
-        like `kl_coef`."""
+        like `kl_coef`. `write_behind`: rank 0 writes the update's log and advantages on a
+        thread it appends there, for the caller to join before it reports the update."""
         from ratchet.config.live_keys import live_config
 
         from .checkpointing import apply_optimizer_hyperparameters, config_hyperparameters
@@ -340,12 +348,19 @@ class TrainerWorker:
             if self.cfg.uses_partial_rollouts:
                 self._publish()
         if self.rank == 0:
-            store.write(batch_index, Parts.ADVANTAGES, {Fields.ADVANTAGES: result.advantages, Fields.RETURNS: result.returns}, {})
-            self.run.put_json(
-                RunLayout.train_log(policy_version),
-                {"batch": batch_index, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper, "live": dict(live or {}),
-                 **({"safe_lambda": safe_lambda} if safe_lambda is not None else {})},
-            )  # fmt: skip
+            log_entry = {
+                "batch": batch_index, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper, "live": dict(live or {}),
+                **({"safe_lambda": safe_lambda} if safe_lambda is not None else {}),
+            }  # fmt: skip
+
+            def write() -> None:
+                store.write(batch_index, Parts.ADVANTAGES, {Fields.ADVANTAGES: result.advantages, Fields.RETURNS: result.returns}, {})
+                self.run.put_json(RunLayout.train_log(policy_version), log_entry)
+
+            if write_behind is None:
+                write()
+            else:
+                write_behind.append(BackgroundCall(write, "write-update-log"))
         result.metrics["train_seconds"] = time.perf_counter() - t0
         result.metrics["lr"] = float(hyper["lr"])  # the learning rate this update used (live or the config's)
         return TrainResult(policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef, safe_lambda=result.safe_lambda)
@@ -355,15 +370,19 @@ class TrainerWorker:
 
     def train_handed(
         self, batch_index: int, policy_version: int, kl_coef: float, scores: StepScores | None = None, *shares,
-        live: dict | None = None, safe_lambda: float | None = None,
-    ) -> tuple[TrainResult, HandedSummary]:  # fmt: skip
+        live: dict | None = None, safe_lambda: float | None = None, publish: bool = False,
+    ) -> tuple[TrainResult, HandedSummary, PublishedSource | None]:  # fmt: skip
         """`train` on a batch handed over in memory (sync mode's `step` activity): the
         rollout shares (`results.RolloutShare`) and their scores, through Ray's object store.
-        Rank 0 stores them as batch `batch_index` while the update runs (recovery replays
-        the stored batch; the activity completes only after this returns, so a step the
-        workflow counts always has its batch stored). A retried call whose first try
-        already updated stores and reports the batch that update used: kept here, or
-        (kept by a trainer that no longer holds it) read back from the store."""
+        The reward worker stores them as batch `batch_index` while the update runs
+        (`RewardWorker.store_handed`; recovery replays the stored batch, and the activity
+        completes only once both are done). A retried call whose first try already updated
+        stores and reports the batch that update used: kept here, or (kept by a trainer that
+        no longer holds it) read back from the store.
+
+        `publish`: also return the new weights as a `PublishedSource` when they fit in one
+        sync bucket (small models), so the step's sync is a single load on each replica
+        rather than a stream of round trips; the peak is the same one bucket. None otherwise."""
         key = (batch_index, policy_version)
         repeat = self._last is not None and self._last[0] == key and self.trainer.version == policy_version + 1
         if repeat and self._handed is not None and self._handed[0] == key:
@@ -372,26 +391,31 @@ class TrainerWorker:
             step = HandedStep.load(BatchStore(self.run), batch_index)
         else:
             step = HandedStep.from_shares(scores, list(shares))
-        saving, failed = None, []
-        if self.rank == 0:
-
-            def save() -> None:
-                try:
-                    step.save(BatchStore(self.run), batch_index)
-                except Exception as e:  # noqa: BLE001 - raised by the caller below
-                    failed.append(e)
-
-            saving = threading.Thread(target=save, name="store-handed-batch", daemon=True)
-            saving.start()
+        writes: list[BackgroundCall] = []
+        if self.rank == 0 and (repeat or scores is None):  # a first try's batch is the reward worker's to store
+            writes.append(BackgroundCall(lambda: step.save(BatchStore(self.run), batch_index), "store-handed-batch"))
         try:
-            result = self.train(batch_index, policy_version, kl_coef, data=step.scored_step(), live=live, safe_lambda=safe_lambda)
+            result = self.train(
+                batch_index, policy_version, kl_coef, data=step.scored_step(), live=live, safe_lambda=safe_lambda, write_behind=writes
+            )
+            self._handed = (key, step)
+            # The update's log is written while the new weights are put out for the sync.
+            published = self._one_bucket() if publish else None
         finally:
-            if saving is not None:
-                saving.join()
-        if failed:
-            raise failed[0]
-        self._handed = (key, step)
-        return result, step.summary()
+            for w in writes:
+                w.join()
+        for w in writes:
+            if w.error is not None:
+                raise w.error
+        return result, step.summary(), published
+
+    def _one_bucket(self) -> PublishedSource | None:
+        """The weights as one published bucket (rank 0; every rank gathers), or None when
+        they need more than one (`sync_weights` then streams them)."""
+        entries, manifest = self._sync_plan()
+        if len(manifest.buckets) != 1:
+            return None
+        return self._put_buckets(entries, manifest)
 
     # -- checkpoints -----------------------------------------------------------------------
 

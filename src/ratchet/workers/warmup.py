@@ -39,7 +39,7 @@ def supervised_warmup(model, tokenizer, prompts: PromptSet, *, steps: int, lr: f
             ids[r, : len(s)] = torch.tensor(s)
             attn[r, : len(s)] = 1
             labels[r, st : len(s)] = torch.tensor(s[st:])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

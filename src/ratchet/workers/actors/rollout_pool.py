@@ -89,6 +89,19 @@ def _counted(names: dict[int, str], shares: list[Share]):
                     del _in_flight[names[s.replica]]
 
 
+def prefetch_shares(
+    replicas: list, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, *, part: int = 0,
+    exact: bool = False,
+) -> None:  # fmt: skip
+    """Start generating a batch on `replicas` (in rank order, none busy: sync mode between
+    two steps) without waiting: each keeps its share for the request that asks for it
+    (`RolloutWorker.prefetch_share`). Split as `generate_shares` splits it with no load, so
+    the request finds the same shares; a different split just generates anew."""
+    ranks = list(range(len(replicas)))
+    for s in plan_shares(prompt_start, prompt_count, 0, ranks, [0] * len(ranks)):
+        replicas[s.replica].prefetch_share.remote(batch_index, s.prompt_start, s.prompt_count, policy_version, part, exact, s.position)
+
+
 class RolloutPool:
     """The rollout replicas of one run (`rollout.replicas`), through its `RunActors`."""
 

@@ -336,10 +336,19 @@ class RunActors:
         killed (the next attempt makes a fresh one) and RewardTimeout is raised."""
         return self._within_reward_timeout(lambda actor: actor.score.remote(batch_index, kind, part), batch_index, kind)
 
-    def score_shares(self, batch_index: int, shares: list):
+    def score_shares(self, batch_index: int, shares: list) -> tuple:
         """Score a batch handed over in memory (RolloutShare ObjectRefs; sync mode's `step`
-        activity) as `score` does a stored one; returns the reward worker's StepScores."""
-        return self._within_reward_timeout(lambda actor: actor.score_shares.remote(batch_index, *shares), batch_index, RunLayout.BATCHES)
+        activity) as `score` does a stored one, then have the reward worker store batch and
+        scores; returns (the StepScores, the ObjectRef of the store to wait on)."""
+        calls = []
+
+        def score_then_store(actor):
+            scores = actor.score_shares.remote(batch_index, *shares)
+            calls.append(actor.store_handed.remote(batch_index, scores, *shares))  # queued behind the scoring
+            return scores
+
+        scores = self._within_reward_timeout(score_then_store, batch_index, RunLayout.BATCHES)
+        return scores, calls[0]
 
     def _within_reward_timeout(self, call, batch_index: int, kind: str):
         timeout_s = self.cfg.reward.timeout_s
