@@ -42,6 +42,12 @@ def scheduled_version(plan: LoopPlan, index: int, version_floor: int = 0) -> int
     return max(max(0, index - pipeline_lag(plan)) // plan.sync_every * plan.sync_every, version_floor)
 
 
+def next_prompt_start(state: RunState) -> int:
+    """Where the next batch's prompts start: prompts to roll out again come first (a
+    checkpoint's batches in flight), then the frontier."""
+    return state.retry_prompts[0] if state.retry_prompts else state.next_prompt
+
+
 def generating_version(plan: LoopPlan, state: RunState, index: int) -> int:
     """The version batch `index` is generated with: the scheduled one in a deterministic
     fully_async run; otherwise whatever the rollout engine serves (sync and one_step_off

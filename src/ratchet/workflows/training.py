@@ -590,10 +590,10 @@ class TrainingWorkflow:
         )
 
     def _take_prompts(self, state: RunState, plan: LoopPlan, index: int) -> int:
+        start = sched.next_prompt_start(state)
         if state.retry_prompts:
-            start = state.retry_prompts.pop(0)
+            state.retry_prompts.pop(0)
         else:
-            start = state.next_prompt
             state.next_prompt += plan.prompts_per_step
         self._in_flight_prompts[index].append(start)
         return start
@@ -660,7 +660,7 @@ class TrainingWorkflow:
             record, self._unwritten = self._unwritten, None  # written by this step's activity, however it ends
             next_start = None
             if state.next_step + 1 < plan.steps and not (self._stopping or self._paused):
-                next_start = state.retry_prompts[0] if state.retry_prompts else state.next_prompt  # what _take_prompts will take
+                next_start = sched.next_prompt_start(state)
             inp = StepInput(
                 rollout, state.policy_version, kl_coef=state.kl_coef, live=dict(state.live.values), safe_lambda=state.safe_lambda,
                 record=record, next_prompt_start=next_start,

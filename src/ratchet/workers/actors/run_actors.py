@@ -334,27 +334,22 @@ class RunActors:
     def score(self, batch_index: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
         """Score a stored batch within `reward.timeout_s`; past it, the reward worker is
         killed (the next attempt makes a fresh one) and RewardTimeout is raised."""
-        return self._within_reward_timeout(lambda actor: actor.score.remote(batch_index, kind, part), batch_index, kind)
+        return self._within_reward_timeout(self.reward().score.remote(batch_index, kind, part), batch_index, kind)
 
     def score_shares(self, batch_index: int, shares: list) -> tuple:
         """Score a batch handed over in memory (RolloutShare ObjectRefs; sync mode's `step`
         activity) as `score` does a stored one, then have the reward worker store batch and
         scores; returns (the StepScores, the ObjectRef of the store to wait on)."""
-        calls = []
-
-        def score_then_store(actor):
-            scores = actor.score_shares.remote(batch_index, *shares)
-            calls.append(actor.store_handed.remote(batch_index, scores, *shares))  # queued behind the scoring
-            return scores
-
-        scores = self._within_reward_timeout(score_then_store, batch_index, RunLayout.BATCHES)
-        return scores, calls[0]
-
-    def _within_reward_timeout(self, call, batch_index: int, kind: str):
-        timeout_s = self.cfg.reward.timeout_s
         actor = self.reward()
+        scores = actor.score_shares.remote(batch_index, *shares)
+        stored = actor.store_handed.remote(batch_index, scores, *shares)  # queued behind the scoring
+        return self._within_reward_timeout(scores, batch_index, RunLayout.BATCHES), stored
+
+    def _within_reward_timeout(self, ref, batch_index: int, kind: str):
+        """The reward worker's answer `ref`, waited on for at most `reward.timeout_s`."""
+        timeout_s = self.cfg.reward.timeout_s
         try:
-            return self.wait(call(actor), timeout_s=timeout_s)
+            return self.wait(ref, timeout_s=timeout_s)
         except WaitTimeout:
             kill_named([self.name(Role.REWARD)])
             raise RewardTimeout(
