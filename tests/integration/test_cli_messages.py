@@ -125,6 +125,31 @@ def test_worker_names_what_is_not_up(nothing_up, bare_temporal):
     )
 
 
+def test_a_worker_ratchet_starts_waits_for_a_server_that_is_restarting(tmp_path):
+    """The worker process the demo and the test platforms start has no supervisor: one
+    started while the Temporal server restarts (a Ray restart right before a server kill)
+    waits for the server instead of exiting, which left its run without a worker."""
+    import time
+
+    from ratchet.platform.demo import start_worker_process
+
+    t, r = free_ports(2)
+    proc = start_worker_process(ServiceSettings(state_dir=tmp_path, temporal_port=t, ray_port=r))
+    log = tmp_path / "logs" / "worker.log"
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting up to" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert f"cannot reach the Temporal server at 127.0.0.1:{t}" in log.read_text()
+        assert "waiting up to 60 s" in log.read_text()
+        time.sleep(1.5)  # past the first retry: still waiting
+        assert proc.poll() is None, log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # -- no worker; runs that ended or never were -----------------------------------------------
 
 

@@ -41,6 +41,9 @@ def start_worker_process(settings: ServiceSettings) -> subprocess.Popen:
     # The run registry of these services' state folder, unless the user named another.
     env.setdefault(REGISTRY_ENV, sqlite_url(settings.state_dir))
     env["RATCHET_STATE_DIR"] = str(settings.state_dir)  # the trackers' default stores: <state>/mlflow.db, <state>/wandb
+    # A worker started while the Temporal server restarts waits for it instead of exiting
+    # at once: nothing restarts this process, and its runs would wait for a worker forever.
+    env.setdefault("RATCHET_WORKER_WAIT_S", "60")
     with open(log_dir / "worker.log", "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "ratchet.platform.worker"], env=env, stdout=log, stderr=subprocess.STDOUT)
 
