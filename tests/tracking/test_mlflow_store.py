@@ -159,3 +159,32 @@ def test_bad_tracking_config_names_the_field(override, field, says):
     text = str(caught.value)
     assert field in text and says in text, text
     assert "pw@" not in text
+
+
+def test_a_new_store_is_copied_from_the_schema_template_and_equals_a_built_one(tmp_path, monkeypatch):
+    """The schema is built once per MLflow version into the user's cache; every later store
+    is a copy that differs from a store MLflow builds in place only by the Default
+    experiment's artifact folder (its own) and times; MLflow opens and writes it."""
+    import sqlite3
+
+    from ratchet.tracking import mlflow_tracker
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first, second, built = tmp_path / "a" / "mlflow.db", tmp_path / "b" / "mlflow.db", tmp_path / "c" / "mlflow.db"
+    mlflow_tracker.create_sqlite_store(first)
+    templates = list((tmp_path / "cache" / "ratchet").glob("mlflow-*-schema.db"))
+    assert len(templates) == 1, templates
+    mlflow_tracker.create_sqlite_store(second)
+    mlflow_tracker._build_store(built, built.parent / "mlflow-artifacts")
+
+    def rows(path):
+        with sqlite3.connect(path) as db:
+            tables = [n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name != 'experiments'")]
+            return {n: sorted(db.execute(f"SELECT * FROM {n}").fetchall()) for n in tables}
+
+    assert rows(second) == rows(built) and len(rows(built)) > 20
+    client = MlflowClient(tracking_uri=f"sqlite:///{second}")
+    assert client.get_experiment("0").artifact_location == f"{(second.parent / 'mlflow-artifacts').as_uri()}/0"
+    exp = client.create_experiment("copied")
+    client.log_metric(client.create_run(exp).info.run_id, "x", 1.0)
+    assert not list(tmp_path.glob("*/.mlflow.db.tmp-*")), "no temporary file is left"

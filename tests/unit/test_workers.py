@@ -579,3 +579,31 @@ def test_retried_train_call_does_not_update_twice(tiny_model, train_batch, tmp_p
     assert all(torch.equal(after_first[k], v) for k, v in worker.trainer.full_state().items())
     with pytest.raises(RuntimeError, match="holds policy v1, asked to train v0"):
         worker.train(1, 0, 0.0)
+
+
+def test_the_submit_check_and_the_reward_worker_leave_scikit_learn_and_scipy_unimported(tiny_model, copy_data, tmp_path):
+    """transformers imports scikit-learn and SciPy (1.5-2 s of CPU) whenever installed; the config
+    check at submit and every actor's start tell it not to (hf_imports.py). Each in a fresh
+    process, as a Ray actor's is; both stay importable for a user's reward function."""
+    import subprocess
+    import sys
+
+    head = "import importlib.util, sys\nfrom ratchet.platform.client import RECIPE_PATH\n"
+    tail = 'assert "transformers.generation.utils" in sys.modules, "no tokenizer loaded: nothing shown"\n' + (
+        'print("sklearn" in sys.modules or "scipy" in sys.modules, importlib.util.find_spec("sklearn") is not None)'
+    )
+    overrides = [f"model.path={tiny_model}", f"data.train_files={copy_data}", "data.eval_files=null", f"storage.root={tmp_path}"]
+    checks = {
+        "submit check": f"from ratchet.config import load_config\nload_config(RECIPE_PATH, {overrides!r})\n",
+        "reward worker": (
+            "from ratchet.config import load_config\nfrom ratchet.workers.reward import RewardWorker\n"
+            f"cfg = load_config(RECIPE_PATH, {overrides!r}, check_files=False)\n"
+            'assert "transformers" not in sys.modules, "the reward worker must be the first to load transformers"\n'
+            f"RewardWorker(cfg, {str(tiny_model)!r}, {str(tmp_path / 'run')!r})\n"
+        ),
+    }
+    procs = {k: subprocess.Popen([sys.executable, "-c", head + c + tail], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, c in checks.items()}
+    for what, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (what, err[-2000:])
+        assert out.split() == ["False", "True"], (what, out)

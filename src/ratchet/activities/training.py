@@ -244,6 +244,8 @@ def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.
     weights when they fit in one bucket (else None)."""
     ro, version = inp.rollout, inp.policy_version
     retrying = activity.info().attempt > 1
+    if retrying:
+        actors.start_lost()  # lost with the trainer (a Ray restart, a node): rebuilt side by side
     ranks = actors.trainers(version, retrying_update=retrying)
     scores, shares, stored = None, [], []
     pool = actors.rollout_pool()

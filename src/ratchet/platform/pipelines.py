@@ -60,6 +60,9 @@ def stage_data_issues(cfg: RunConfig) -> list[tuple[str, str]]:
                 continue
             try:
                 if tokenizer is None:
+                    from ratchet.hf_imports import hide_sklearn_and_scipy
+
+                    hide_sklearn_and_scipy()
                     from transformers import AutoTokenizer
 
                     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

@@ -1,9 +1,9 @@
 """MLflow as a tracker: one MLflow run per ratchet run, in the experiment
 `tracking.experiment`, continued by id after a resume or a recovery.
 
-The default store is the state folder's SQLite file (uris.py); opening it the first time
-creates the schema (about a second), which is why `RunTracking` keeps one client per
-process. Points carry the metrics line's own wall-clock stamp, so MLflow's wall-time axis
+The default store is the state folder's SQLite file (uris.py), copied on first use from a
+schema template built once per MLflow version (`create_sqlite_store`); `RunTracking` keeps
+one client per process (importing MLflow takes seconds). Points carry the metrics line's own wall-clock stamp, so MLflow's wall-time axis
 is the run's, not the time the point reached MLflow.
 """
 
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sqlite3
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,27 +50,72 @@ def quiet_mlflow_env(env: dict | None = None) -> dict:
 
 
 def create_sqlite_store(path: Path) -> None:
-    """Create MLflow's SQLite store at `path` unless it exists, atomically: its schema is
-    built in a file of its own (about a hundred migrations, seconds) and linked into place
-    only when complete. A process killed half-way (a worker, a test's interpreter exiting
-    under the tracking thread) leaves a stray temporary file, never a store that is half a
-    schema, which MLflow would refuse for good."""
+    """Create MLflow's SQLite store at `path` unless it exists, atomically: it is made in a
+    file of its own and linked into place only when complete. A process killed half-way
+    (a worker, a test's interpreter exiting under the tracking thread) leaves a stray
+    temporary file, never a store that is half a schema, which MLflow would refuse for good.
+
+    The schema (about a hundred migrations: a second of CPU, several on a busy machine, on
+    every new state folder's first run) is built once per MLflow version into the user's
+    cache (`schema_template`) and copied from there; only the Default experiment's
+    artifact location (the one path MLflow writes into a new store) and times are set."""
     if path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
+    artifacts = path.parent / MLFLOW_ARTIFACTS
+    template = schema_template()
+    if template is None:
+        _build_store(path, artifacts)
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        shutil.copyfile(template, tmp)
+        with closing(sqlite3.connect(tmp)) as db, db:
+            db.execute(
+                "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? WHERE experiment_id = 0",
+                (f"{artifacts.as_uri()}/0", *[int(time.time() * 1000)] * 2),
+            )
+        _link_into_place(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def schema_template() -> Path | None:
+    """An empty MLflow store of this MLflow version in the user's cache
+    (`$XDG_CACHE_HOME/ratchet`, else ~/.cache/ratchet), built on first use; None where
+    that folder cannot be written (each store is then built where it goes)."""
+    import mlflow
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ratchet"
+    template = cache / f"mlflow-{mlflow.__version__}-schema.db"
+    if template.exists():
+        return template
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        _build_store(template, cache / "mlflow-template-artifacts")
+    except OSError:
+        return None
+    return template
+
+
+def _build_store(path: Path, artifacts: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.unlink(missing_ok=True)
     try:
         from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
-        store = SqlAlchemyStore(f"sqlite:///{tmp}", (path.parent / MLFLOW_ARTIFACTS).as_uri())
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", artifacts.as_uri())
         store.engine.dispose()
-        try:
-            os.link(tmp, path)  # fails if another process got there first: theirs stays
-        except FileExistsError:
-            pass
+        _link_into_place(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _link_into_place(tmp: Path, path: Path) -> None:
+    try:
+        os.link(tmp, path)  # fails if another process got there first: theirs stays
+    except FileExistsError:
+        pass
 
 
 class MlflowTracker:

@@ -26,9 +26,9 @@ from .scoring import RewardModelScorer, check_finite_rewards, score_batch
 
 class RewardWorker:
     def __init__(self, cfg: RunConfig, tokenizer_path: str, run_uri: str):
-        from transformers import AutoTokenizer
-
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
+        from transformers import AutoTokenizer  # after configure_worker_process: see hf_imports.py
+
         r = cfg.reward
         self.cfg = r
         self.reward_fn = load_reward_fn(r.function) if r.function else None

@@ -266,6 +266,20 @@ class RunActors:
 
         return RolloutPool(self)
 
+    def start_lost(self) -> None:
+        """Start the rollout replicas and the reward worker that are gone, without waiting
+        for them to be built: their processes import torch and load the model (seconds)
+        while a lost trainer is rebuilt, instead of after it (a Ray restart or a lost
+        node takes them all). Their next use finds them by name. Not colocated: a new
+        engine would take device memory the trainer rebuilds in."""
+        if self.plan.colocated:
+            return
+        for rank in range(self.cfg.rollout.replicas):
+            self._live_replica(rank)
+        if self.find(Role.REWARD) is None:
+            log.warning("run %s: the reward worker is gone; recreating it", self.run_id)
+            self.start_reward(self.initial_policy())
+
     def _live_replica(self, rank: int):
         actor = self.find(Role.ROLLOUT, rank)
         if actor is None:
