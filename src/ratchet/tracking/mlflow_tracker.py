@@ -3,8 +3,9 @@
 
 The default store is the state folder's SQLite file (uris.py), copied on first use from a
 schema template built once per MLflow version (`create_sqlite_store`); `RunTracking` keeps
-one client per process (importing MLflow takes seconds). Points carry the metrics line's own wall-clock stamp, so MLflow's wall-time axis
-is the run's, not the time the point reached MLflow.
+one client per process (importing MLflow takes seconds). Points carry the metrics line's
+own wall-clock stamp, so MLflow's wall-time axis is the run's, not the time the point
+reached MLflow.
 """
 
 from __future__ import annotations
