@@ -41,7 +41,7 @@ $(COMPOSE):
 # two files at a time fill the two cores CI has. A file stays in one process (--dist
 # loadfile), so module fixtures are shared; each process starts its own platform.
 test: $(STAMP) $(BROWSER) $(COMPOSE)
-	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25 -n 2 --dist loadfile
+	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
 
 # Everything that starts no Ray: unit tests, bad input, storage on the S3 server, the
 # loop modes on a Temporal dev server with stand-in activities.

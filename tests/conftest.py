@@ -36,8 +36,10 @@ _RAY_FIXTURES = {"platform", "chaos", "s3_platform", "running", "ray_driver"}
 
 
 # The longest modules first (seconds on CI's 2 cores): `make test` hands whole modules to
-# two processes in collection order (--dist loadfile), and a long module started last
-# leaves one process idle while it runs alone. Longest first keeps both busy to the end.
+# two processes in collection order (--dist loadfile --no-loadscope-reorder: by default
+# xdist sorts modules by their number of tests, which put these, with one to three tests
+# each, last, side by side), and a long module started last leaves one process idle while
+# it runs alone. Longest first keeps both busy to the end.
 LONGEST_FIRST = (
     "tests/e2e/test_node_failure.py",  # ~400 s: three nodes killed twice over, a drain
     "tests/e2e/test_chaos_sync.py",  # ~160 s

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -41,6 +42,8 @@ def sweep_platform(assets):
         yield p
     finally:
         p.close()
+        if not os.environ.get("RATCHET_KEEP_TEST_STATE"):
+            shutil.rmtree(db_dir, ignore_errors=True)
         if before is None:
             os.environ.pop("RATCHET_REGISTRY_URL", None)
         else:
