@@ -96,6 +96,27 @@ def test_two_replicas_store_the_one_replica_batch_and_serve_one_version(platform
         release_run_actors("pool-two")
 
 
+def test_a_replica_answers_its_version_probe_while_it_generates(platform, ray_driver, tmp_path):
+    """A step probes its replicas' versions while they still generate the batch prefetched
+    for it. The probe runs on a thread of its own (`rollout.PROBE_GROUP`), so it answers at
+    once rather than after the generation, and the step's request for the batch is queued
+    right behind the generation."""
+    import time
+
+    from ratchet.workers.actors import release_run_actors
+
+    actors = run_actors(platform, tmp_path, "pool-probe")
+    try:
+        (replica,) = actors.start_rollouts(str(platform.assets.model))
+        assert ray_driver.get(replica.policy_version.remote()) == 0  # constructed
+        busy = replica.__ray_call__.remote(lambda worker: time.sleep(4.0))  # the thread a generation runs on
+        assert ray_driver.get(replica.policy_version.remote(), timeout=2.0) == 0
+        assert ray_driver.wait([busy], timeout=0)[0] == [], "answered only once the busy thread was done"
+        ray_driver.get(busy)
+    finally:
+        release_run_actors("pool-probe")
+
+
 def test_replica_killed_during_a_batch_is_recreated_and_its_share_redone(platform, ray_driver, tmp_path, one_replica_batch, caplog):
     """Replica 1 is killed right after the batch's shares were sent (the first wait on
     them); the batch is the one-replica batch all the same, and replica 1 is a new actor

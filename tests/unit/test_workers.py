@@ -201,6 +201,34 @@ def test_a_prefetched_share_is_the_one_its_request_would_generate(tiny_model, co
     assert len(generations) == 6
 
 
+
+def test_a_prefetch_queued_behind_a_load_that_brought_no_new_version_does_not_generate(tiny_model, copy_data, tmp_path):
+    """The step queues each replica's prefetch of the next batch behind its
+    `load_published` of the new version. When the trainer published nothing (weights in
+    more than one bucket: the step streams them afterwards) the replica still holds the old
+    version, and the prefetch is skipped rather than sample from stale weights; once the
+    version is loaded, the prefetch generates."""
+    from ratchet.workers.rollout import RolloutWorker
+    from ratchet.workers.weight_sync import as_source
+
+    cfg = make_cfg(tiny_model, data={"train_files": str(copy_data)}, rollout={"n": 2, "max_response_length": 4}, loop={"prompts_per_step": 2})
+    worker = RolloutWorker(cfg, str(tiny_model), str(tmp_path / "run"))
+    generations = []
+    worker.generate_share = lambda *a: generations.append(a) or RolloutWorker.generate_share(worker, *a)
+    next_batch = (5, 10, 2, 1, 0, False, 0)  # batch, prompt start, count, version 1, part, exact, position
+    assert worker.load_published(None) is None and worker.version == 0
+    worker.prefetch_share(*next_batch)
+    assert generations == [] and worker._prefetched is None
+
+    weights = {k: v.detach().numpy() for k, v in worker.engine.model.state_dict().items()}
+    report = worker.load_published(as_source(weights, 1))
+    assert (report.version, worker.version) == (1, 1)
+    assert report.bytes == sum(v.nbytes for v in weights.values()) and report.seconds > 0
+    worker.prefetch_share(*next_batch)
+    assert len(generations) == 1
+    assert worker.generate_share_and_version(*next_batch)[0] == 1 and len(generations) == 1  # the request took it
+
+
 # --------------------------------------------------------------------------- HFEngine
 
 
@@ -607,3 +635,34 @@ def test_the_submit_check_and_the_reward_worker_leave_scikit_learn_and_scipy_uni
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, (what, err[-2000:])
         assert out.split() == ["False", "True"], (what, out)
+
+
+def test_an_actor_generation_after_the_first_page_faults_nothing_back(tiny_model, copy_data, tmp_path):
+    """glibc's malloc gives freed memory back to the kernel between two phases of a step,
+    and the next phase faults it in again (thousands of page faults per generation of the
+    tiny model: +10-15% of its CPU generation time). Actors start with the malloc settings
+    of `placement.actor_env`, under which only the first generation faults its memory in.
+    A fresh process with the actor's environment, as a Ray actor's is."""
+    import subprocess
+    import sys
+
+    from ratchet.platform.client import RECIPE_PATH
+    from ratchet.config import load_config
+    from ratchet.workers.actors.placement import actor_env
+
+    overrides = [f"model.path={tiny_model}", f"data.train_files={copy_data}", "data.eval_files=null", f"storage.root={tmp_path}"]
+    env = {**os.environ, **actor_env(load_config(RECIPE_PATH, overrides, check_files=False))["env_vars"]}
+    script = (
+        "import resource\nfrom ratchet.config import load_config\nfrom ratchet.platform.client import RECIPE_PATH\n"
+        "from ratchet.workers.rollout import RolloutWorker\n"
+        f"w = RolloutWorker(load_config(RECIPE_PATH, {overrides!r}, check_files=False), {str(tiny_model)!r}, {str(tmp_path / 'run')!r})\n"
+        "for i in range(4):\n"
+        "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    w.generate_share(i, 0, 16, 0)\n"
+        "    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    faults = [int(x) for x in out.stdout.split()]
+    assert faults[0] > 1000, f"the first generation faults its memory in: {faults}"  # else this measures nothing
+    assert max(faults[1:]) < 200, f"page faults per generation after the first: {faults}"

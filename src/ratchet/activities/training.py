@@ -27,7 +27,6 @@ from ratchet.workers.actors import RunActors, release_run_actors
 from ratchet.workers.actors.rollout_pool import prefetch_shares
 from ratchet.workers.background import BackgroundCall
 from ratchet.workers.columns import Parts
-from ratchet.workers.weight_sync.ray_transport import published_sync
 from ratchet.workers.results import CheckpointOutcome, CheckpointStarted
 
 from . import registry_calls
@@ -220,34 +219,44 @@ def _step(inp: t.StepInput) -> t.StepOutput:
         trained = train(t.TrainInput(ro.run, batch, inp.policy_version, kl_coef=inp.kl_coef, live=inp.live, safe_lambda=inp.safe_lambda))
         synced = sync_weights(t.SyncInput(ro.run, trained.policy_version))
         return t.StepOutput(batch=batch, score=scored, trained=trained, synced=synced)
-    batch, scored, trained, (ranks, replicas, published) = _step_in_memory(actors, inp)
-    t0 = time.perf_counter()
-    if published is not None and replicas:
-        # The new weights fit in one bucket, already in the object store: one load per replica.
-        out = published_sync((trained.policy_version, published), replicas, actors.wait)
-        synced = t.SyncOutput(policy_version=out.version, seconds=time.perf_counter() - t0, megabytes=out.bytes / 1e6)
-    else:
+    batch, scored, trained, (ranks, replicas, synced) = _step_in_memory(actors, inp)
+    if synced is None:
         # The ranks and replicas this step just used: not looked up and probed again.
         synced = _synced(actors, trained.policy_version, ranks, replicas or None)
-    if inp.next_prompt_start is not None and replicas and not actors.plan.colocated:
-        # The next batch, as the next step will ask for it, while Temporal schedules that step.
-        prefetch_shares(
-            replicas, ro.batch_index + 1, inp.next_prompt_start, ro.prompt_count, synced.policy_version, part=ro.part,
-            exact=ro.exact_version,
-        )  # fmt: skip
+        if inp.next_prompt_start is not None and replicas and not actors.plan.colocated:
+            _prefetch_next(inp, replicas, synced.policy_version)
     return t.StepOutput(batch=batch, score=scored, trained=trained, synced=synced)
+
+
+def _prefetch_next(inp: t.StepInput, replicas: list, version: int) -> None:
+    """The next batch, as the next step will ask for it, generated while Temporal records
+    this step and schedules that one."""
+    ro = inp.rollout
+    prefetch_shares(
+        replicas, ro.batch_index + 1, inp.next_prompt_start, ro.prompt_count, version, part=ro.part, exact=ro.exact_version
+    )  # fmt: skip
 
 
 def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.ScoreOutput, t.TrainOutput, tuple[list, list, object]]:
     """The step with its batch handed over in memory; also returns the trainer ranks and
-    the rollout replicas it used (none on a retry that found the update made), and the new
-    weights when they fit in one bucket (else None)."""
+    the rollout replicas it used (none on a retry that found the update made, or when a
+    replica was lost and recreated during the batch: then the sync looks every replica
+    up), and the sync if the new weights went to the replicas with the update (else None).
+
+    Every call is sent as soon as what it needs exists, and Ray hands the results on
+    between the actors: the trainer's version is probed while the batch generates, the
+    trainer takes the scores from the reward worker, and small weights (one sync bucket,
+    through the object store) are loaded by every replica as the update ends, each then
+    generating the next batch. The activity waits once, for all of it."""
     ro, version = inp.rollout, inp.policy_version
     retrying = activity.info().attempt > 1
+    probe = None
     if retrying:
         actors.start_lost()  # lost with the trainer (a Ray restart, a node): rebuilt side by side
-    ranks = actors.trainers(version, retrying_update=retrying)
-    scores, shares, stored = None, [], []
+        ranks = actors.trainers(version, retrying_update=True)
+    else:
+        probe = actors.probe_trainers()  # answered while the batch generates
+    scores, shares, stored, replicas = None, [], [], []
     pool = actors.rollout_pool()
     # A retried step whose update was made: the trainer reports (and stores) its batch.
     if not (retrying and wait(ranks[0].policy_version.remote()) == version + 1):
@@ -258,20 +267,38 @@ def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.
         scores, storing = actors.score_shares(ro.batch_index, shares)  # the reward worker stores the batch meanwhile
         stored.append(storing)
         actors.sleep_rollouts()  # colocated: the engines give the trainer their memory
+        replicas = pool.healthy if len(pool.healthy) == actors.cfg.rollout.replicas else []
+    if probe is not None:
+        ranks = actors.trainers(version, probe=probe)
     t0 = time.perf_counter()
     live = inp.live or None
     # Small weights come back with the update for a one-call sync (object store transport,
     # replicas not woken up by that sync: not colocated).
-    publish = bool(shares) and not actors.plan.colocated and choose_transport(actors.plan, actors.cfg) is Transport.OBJECT_STORE
-    outs = wait(
-        [
-            *(a.train_handed.remote(ro.batch_index, version, inp.kl_coef, scores, *shares, live=live, safe_lambda=inp.safe_lambda, publish=publish)
-              for a in ranks),
-            *stored,
-        ]
-    )  # fmt: skip
-    trained, summary, published = outs[0]
+    publish = bool(replicas) and not actors.plan.colocated and choose_transport(actors.plan, actors.cfg) is Transport.OBJECT_STORE
+    calls = [
+        a.train_handed.options(num_returns=3).remote(
+            ro.batch_index, version, inp.kl_coef, scores, *shares, live=live, safe_lambda=inp.safe_lambda, publish=publish
+        )
+        for a in ranks
+    ]  # fmt: skip
+    loads = []
+    if publish:
+        # Rank 0's published weights, loaded as they appear; each replica's prefetch is
+        # queued behind its load and skipped if nothing was loaded.
+        loads = [r.load_published.remote(calls[0][2]) for r in replicas]
+        if inp.next_prompt_start is not None:
+            _prefetch_next(inp, replicas, version + 1)
+    if scores is not None:
+        actors.handed_scores(scores, ro.batch_index)  # a failing or hanging reward function is reported as such
+    outs = wait([*(c[0] for c in calls), calls[0][1], *stored])
+    trained, summary = outs[0], outs[len(calls)]
     seconds = time.perf_counter() - t0
+    reports = wait(loads) if loads else []
+    synced = None
+    if reports and all(r is not None for r in reports):
+        synced = t.SyncOutput(
+            policy_version=reports[0].version, seconds=max(r.seconds for r in reports), megabytes=sum(r.bytes for r in reports) / 1e6
+        )  # fmt: skip
     run_store = ObjectStore(ro.run.run_uri)
     batch = _batch_ref(ro, run_store.uri(BatchStore(run_store).key(ro.batch_index, Parts.ROLLOUT)), summary)
     s = summary.score
@@ -280,10 +307,7 @@ def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.
         policy_version=trained.policy_version, metrics=dict(trained.metrics), seconds=seconds, kl_coef=trained.kl_coef,
         safe_lambda=trained.safe_lambda,
     )  # fmt: skip
-    # A replica lost and recreated during the batch is not among those that generated it:
-    # then the sync looks every replica up.
-    replicas = pool.healthy if len(pool.healthy) == actors.cfg.rollout.replicas else []
-    return batch, scored, trained_out, (ranks, replicas, published)
+    return batch, scored, trained_out, (ranks, replicas, synced)
 
 
 @activity.defn(name="evaluate")

@@ -35,6 +35,16 @@ class RolloutShare:
 
 
 @dataclass(frozen=True)
+class LoadReport:
+    """`RolloutWorker.load_published`: the version a replica serves after the load, the
+    bytes it received and how long the load took."""
+
+    version: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class EvalBatchResult:
     """`RolloutWorker.generate_eval`: the stored greedy eval batch."""
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Mapping
 
 import numpy as np
+import ray
 
 from ratchet.algorithms import ADV_ESTIMATORS
 from ratchet.config.schema import RunConfig
@@ -38,7 +39,7 @@ from .engines import SamplingParams, build_engine
 from .hf_io import local_hf_path
 from .multi_turn import MultiTurnRollout
 from .prompts import PromptSet
-from .results import EvalBatchResult, GenerateResult, RolloutShare
+from .results import EvalBatchResult, GenerateResult, LoadReport, RolloutShare
 from .rollout_batching import generate_batch, prompt_indices, sampling_seed
 from .runtime import configure_worker_process
 from .weight_sync import SafetensorsSource, SafetensorsWriter, WeightSource, as_source, check_names, pairs
@@ -47,6 +48,12 @@ log = logging.getLogger(__name__)
 
 # The version a worker reports while its engine holds a half-loaded mix of two versions.
 TORN_VERSION = -1
+
+# `policy_version` answers on a thread of its own: a step probes its replicas while they
+# still generate the batch prefetched for it, and its request for that batch is queued
+# right behind the generation instead of behind the probe's answer (one round trip less).
+PROBE_GROUP = "probe"
+ROLLOUT_CONCURRENCY_GROUPS = {PROBE_GROUP: 1}
 
 
 class RolloutWorker:
@@ -77,6 +84,7 @@ class RolloutWorker:
         # A share generated ahead of its request (`prefetch_share`), by its request's arguments.
         self._prefetched: tuple[tuple, RolloutShare] | None = None
 
+    @ray.method(concurrency_group=PROBE_GROUP)
     def policy_version(self) -> int:
         return self.version
 
@@ -123,7 +131,12 @@ class RolloutWorker:
         right after the weight sync, while Temporal records the step and schedules the
         next one (rollout_pool.prefetch_shares). The samples are those the request would
         generate (the same seeds and weights: any weight load drops a kept share), so a
-        wrong guess only costs the generation. Never raises: the request generates anew."""
+        wrong guess only costs the generation. Skipped while the worker holds an older
+        version than `policy_version`: the prefetch is queued behind the load of that
+        version (`load_published`), which may have had nothing to load or failed. Never
+        raises: the request generates anew."""
+        if self.version < policy_version:
+            return
         key = (batch_index, prompt_start, prompt_count, policy_version, part, exact, position)
         try:
             share = self.generate_share(*key)
@@ -213,6 +226,17 @@ class RolloutWorker:
                 self.engine, self.eval, indices, params, policy_version=version, pad_id=self.engine.pad_id, multi_turn=self.multi_turn
             )
         return EvalBatchResult(uri=batch.save(BatchStore(self.run, RunLayout.EVALS), step), num_samples=len(batch), policy_version=version)
+
+    def load_published(self, published: "WeightSource | None") -> LoadReport | None:
+        """`load_weights` of the buckets trainer rank 0 published with its update, or None
+        when it published none (weights in more than one bucket: the step streams them).
+        Sync mode's step chains this call on the update's result, so the load starts as
+        soon as the update ends, without a round trip through the activity."""
+        if published is None:
+            return None
+        t0 = time.perf_counter()
+        nbytes = self.load_weights(published)
+        return LoadReport(version=self.version, bytes=nbytes, seconds=time.perf_counter() - t0)
 
     def load_weights(self, weights: "WeightSource | Mapping[str, np.ndarray]", version: int | None = None) -> int:
         """Serve `weights` (a weight source: a stream of buckets from the trainer, or a dict

@@ -382,7 +382,9 @@ class TrainerWorker:
 
         `publish`: also return the new weights as a `PublishedSource` when they fit in one
         sync bucket (small models), so the step's sync is a single load on each replica
-        rather than a stream of round trips; the peak is the same one bucket. None otherwise."""
+        rather than a stream of round trips; the peak is the same one bucket. None otherwise.
+        The step calls this with num_returns=3 and chains each replica's load on the third
+        value, so the replicas load while the other two come back."""
         key = (batch_index, policy_version)
         repeat = self._last is not None and self._last[0] == key and self.trainer.version == policy_version + 1
         if repeat and self._handed is not None and self._handed[0] == key:

@@ -25,7 +25,7 @@ from ratchet.storage import ObjectStore, RunLayout
 from ..critic import CriticWorker
 from ..results import GenerateResult, ScoreResult, WarmupResult
 from ..reward import RewardWorker
-from ..rollout import RolloutWorker
+from ..rollout import ROLLOUT_CONCURRENCY_GROUPS, RolloutWorker
 from ..trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
 from . import placement
 from .names import Role, actor_name, find_named, kill_named, release_run_actors, run_actor_names
@@ -148,15 +148,25 @@ class RunActors:
         """The live trainer ranks (None for a missing one), without any version check."""
         return [self.find(Role.TRAINER, r) for r in range(self.cfg.trainer.world_size)]
 
-    def trainers(self, expected_version: int, *, retrying_update: bool = False, at_least: bool = False) -> list:
+    def probe_trainers(self) -> tuple[list, object]:
+        """(the live trainer ranks, the ObjectRef of rank 0's policy version; None when a
+        rank is missing), for `trainers(..., probe=)`: sent ahead, the probe's round trip
+        overlaps whatever the caller does meanwhile (the step's generation)."""
+        ranks = self.trainer_ranks()
+        return ranks, (ranks[0].policy_version.remote() if all(a is not None for a in ranks) else None)
+
+    def trainers(
+        self, expected_version: int, *, retrying_update: bool = False, at_least: bool = False, probe: tuple[list, object] | None = None
+    ) -> list:  # fmt: skip
         """The trainer ranks, holding `expected_version` (or, for a retried train attempt
         whose first try already updated, the version after it; with `at_least`, any newer
         one). Ranks that were lost or hold another version are rebuilt from the last
-        checkpoint and the logged updates after it (recovery.py)."""
+        checkpoint and the logged updates after it (recovery.py). `probe`: what
+        `probe_trainers` sent earlier, used instead of asking again."""
         from .recovery import restore_trainers
 
-        ranks = self.trainer_ranks()
-        if self._trainers_hold(ranks, expected_version, retrying_update, at_least, log_mismatch=True):
+        ranks, held = probe if probe is not None else (self.trainer_ranks(), None)
+        if self._trainers_hold(ranks, expected_version, retrying_update, at_least, log_mismatch=True, held=held):
             return ranks
         with restore_lease(self.run_id, Role.TRAINER, self.waiter):
             # Another activity may have rebuilt them while this one waited for the lease.
@@ -165,17 +175,22 @@ class RunActors:
                 return ranks
             return restore_trainers(self, expected_version)
 
-    def _trainers_hold(self, ranks: list, expected_version: int, retrying_update: bool, at_least: bool, *, log_mismatch: bool = False) -> bool:
+    def _trainers_hold(
+        self, ranks: list, expected_version: int, retrying_update: bool, at_least: bool, *, log_mismatch: bool = False, held=None
+    ) -> bool:  # fmt: skip
         if any(a is None for a in ranks):
             if log_mismatch:
                 log.warning("run %s: a trainer rank is gone; restoring it", self.run_id)
             return False
-        return self._holds(ranks[0], "the trainer", expected_version, retrying_update, at_least, log_mismatch)
+        return self._holds(ranks[0], "the trainer", expected_version, retrying_update, at_least, log_mismatch, held)
 
-    def _holds(self, actor, what: str, expected_version: int, retrying_update: bool, at_least: bool, log_mismatch: bool) -> bool:
-        """`actor` (trainer rank 0 or the critic) answers with the version the caller asked for."""
+    def _holds(
+        self, actor, what: str, expected_version: int, retrying_update: bool, at_least: bool, log_mismatch: bool, held=None
+    ) -> bool:  # fmt: skip
+        """`actor` (trainer rank 0 or the critic) answers with the version the caller asked
+        for (`held`: the ObjectRef of an answer already asked for)."""
         try:
-            held = self.wait(actor.policy_version.remote())
+            held = self.wait(held if held is not None else actor.policy_version.remote())
         except ray.exceptions.RayError:
             held = None  # died just now, or broken: rebuilt
         if held == expected_version or (retrying_update and held == expected_version + 1):
@@ -199,7 +214,7 @@ class RunActors:
         concurrency = 2 if self.cfg.uses_partial_rollouts else 1
         return self._create(
             RolloutWorker, Role.ROLLOUT, rank, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri,
-            concurrency=concurrency,
+            concurrency=concurrency, groups=ROLLOUT_CONCURRENCY_GROUPS,
         )  # fmt: skip
 
     def start_rollouts(self, policy_path: str) -> list:
@@ -353,11 +368,17 @@ class RunActors:
     def score_shares(self, batch_index: int, shares: list) -> tuple:
         """Score a batch handed over in memory (RolloutShare ObjectRefs; sync mode's `step`
         activity) as `score` does a stored one, then have the reward worker store batch and
-        scores; returns (the StepScores, the ObjectRef of the store to wait on)."""
+        scores; returns the ObjectRefs (of the StepScores, of the store), not waited on: the
+        trainer takes the scores straight from the reward worker. Wait on the scores with
+        `handed_scores` (the reward timeout)."""
         actor = self.reward()
         scores = actor.score_shares.remote(batch_index, *shares)
         stored = actor.store_handed.remote(batch_index, scores, *shares)  # queued behind the scoring
-        return self._within_reward_timeout(scores, batch_index, RunLayout.BATCHES), stored
+        return scores, stored
+
+    def handed_scores(self, scores, batch_index: int):
+        """The StepScores of `score_shares`, waited on for at most `reward.timeout_s`."""
+        return self._within_reward_timeout(scores, batch_index, RunLayout.BATCHES)
 
     def _within_reward_timeout(self, ref, batch_index: int, kind: str):
         """The reward worker's answer `ref`, waited on for at most `reward.timeout_s`."""
