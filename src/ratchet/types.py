@@ -85,6 +85,8 @@ class RunState:
     warmup_loss_last: float = 0.0
     # Hyper-parameters changed on the running run (`ratchet set`); into every checkpoint.
     live: LiveParams = field(default_factory=lambda: LiveParams())
+    # A sweep trial: the highest rung the sweep has let it go on past (`pass_rung`).
+    rung_passed: int = 0
 
     def record_reward(self, reward_mean: float) -> None:
         if len(self.reward_first10) < 10:
@@ -184,6 +186,9 @@ class TrainingInput:
     search_attributes: bool = False
     # A resume from a checkpoint: its name (step-00000029), for the progress query's phase.
     restore_from: str = ""
+    # A sweep trial with early stopping: its rungs. Once that many steps are done the run
+    # waits for the sweep's verdict (`pass_rung` to go on, `stop` to end there).
+    hold_at_steps: list[int] = field(default_factory=list)
 
 
 @dataclass

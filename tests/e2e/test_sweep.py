@@ -160,14 +160,16 @@ def test_sweep_survives_worker_and_server_restarts(sweep_platform):
     assert {r.trial_index: r.state for r in rows} == by_state
     assert set(by_state.values()) <= {"completed", "pruned"}, summary.trials
 
-    # Stopped trials are pruned at the rung and ran fewer steps; the others ran them all.
+    # Every trial waited at the rung to be judged (fast trials used to finish unjudged).
+    assert sorted(int(k) for k in handle.progress().rung_values[str(RUNG)]) == list(range(TRIALS))
+    # Stopped trials are pruned at the rung and ran its steps only; the others ran them all.
     pruned = [t for t in summary.trials if t.state == "pruned"]
     assert pruned, "ASHA with eta 2 stops the trials below the first at the rung"
     for t in summary.trials:
         recorded = steps_of(p.state / "runs" / t.run_id)
         assert recorded == list(range(len(recorded))), f"trial {t.trial_index}: each step recorded once"
         if t.state == "pruned":
-            assert t.pruned_at == RUNG and RUNG <= t.steps < STEPS and len(recorded) == t.steps
+            assert t.pruned_at == RUNG == t.steps == len(recorded)
         else:
             assert t.steps == STEPS == len(recorded) and t.objective is not None
     # Trial 0 reaches the rung alone (the first there always goes on) or beside trial 1.

@@ -10,9 +10,11 @@ and starts none twice; its values come from an activity that asks Optuna once pe
 Early stopping waits on an activity that reads the running trials' `metrics.jsonl` every
 `poll_seconds` and returns once one reaches a new rung (one call per rung reached, so
 the history stays small), and the rule (workflows/early_stopping.py)
-decides in workflow code, on values that are in the history; a trial to stop gets the
-training workflow's own `stop` signal (it evaluates, exports and completes) and is marked
-pruned. Signals `pause`, `resume` and `cancel` act on the whole sweep: the running trials
+decides in workflow code, on values that are in the history. A trial waits at each rung
+until it is judged (its `hold_at_steps`): one to stop gets the training workflow's own
+`stop` signal (it evaluates, exports and completes) and is marked pruned, the others
+`pass_rung`. A trial never runs a step past a rung it was stopped at, however fast its
+steps and however slow the sweep's worker. Signals `pause`, `resume` and `cancel` act on the whole sweep: the running trials
 are paused, resumed or stopped, and no new trial starts while paused or once cancelled.
 
 Deterministic like the training workflow (docs/design.md, rule 8): no Optuna, no file reads,
@@ -67,6 +69,10 @@ TIMEOUTS = {
     "sweep_status": timedelta(seconds=30),
 }
 
+# Trials wait at their rungs for the sweep's verdict (`pass_rung` or `stop`); sweeps
+# started before it let them run on and judged them when it could.
+TRIALS_HOLD_AT_RUNGS = "trials-hold-at-rungs"
+
 # Longest one `trial_rungs` call waits for a rung before it reports nothing new.
 RUNG_WAIT_S = 60.0
 
@@ -85,6 +91,7 @@ class SweepWorkflow:
         self._rung_values: dict[int, dict[int, float | None]] = {}  # rung -> trial -> value
         self._rungs_seen: dict[int, int] = {}
         self._pruned_at: dict[int, int] = {}
+        self._trials_hold = False  # trials wait at each rung for `pass_rung` (TRIALS_HOLD_AT_RUNGS)
 
     # -- signals and queries ---------------------------------------------------------------
 
@@ -141,7 +148,9 @@ class SweepWorkflow:
         self._inp = inp
         plan = inp.plan
         await self._act("sweep_begin", SweepBeginInput(inp.sweep_id, inp.spec))
-        monitor = asyncio.ensure_future(self._monitor()) if plan.stop_rule != "none" and plan.rungs else None
+        judged = plan.stop_rule != "none" and bool(plan.rungs)
+        self._trials_hold = judged and workflow.patched(TRIALS_HOLD_AT_RUNGS)
+        monitor = asyncio.ensure_future(self._monitor()) if judged else None
         trials: list[asyncio.Future] = []
         for k in range(plan.trials):
             await workflow.wait_condition(lambda: self._cancelling or (not self._paused and len(self._running) < plan.parallelism))
@@ -207,7 +216,8 @@ class SweepWorkflow:
         inp = self._inp
         lineage = RunLineage(sweep_id=inp.sweep_id, trial_index=k)
         child_input = TrainingInput(
-            run_id=plan.run_id, config=plan.config, plan=plan.plan, lineage=lineage, search_attributes=inp.search_attributes
+            run_id=plan.run_id, config=plan.config, plan=plan.plan, lineage=lineage, search_attributes=inp.search_attributes,
+            hold_at_steps=list(inp.plan.rungs) if self._trials_hold else [],
         )
         extra = {}
         if inp.search_attributes:
@@ -235,12 +245,12 @@ class SweepWorkflow:
             workflow.logger.warning("sweep %s: trial %d failed: %s", inp.sweep_id, k, finish.error)
             return None
 
-    async def _signal(self, k: int, name: str) -> None:
+    async def _signal(self, k: int, name: str, *args) -> None:
         handle = self._running.get(k)
         if handle is None:
             return
         try:
-            await handle.signal(name)
+            await handle.signal(name, *args)
         except Exception as exc:  # noqa: BLE001 - the trial ended meanwhile: nothing to signal
             workflow.logger.info("sweep %s: signal %s to trial %d not delivered: %s", self._inp.sweep_id, name, k, exc)
 
@@ -294,7 +304,7 @@ class SweepWorkflow:
 
     async def _judge(self, rep: RungReport) -> None:
         """Record the trial's values at its newly reached rungs; stop it at the first rung
-        where the rule says so."""
+        where the rule says so, else let it go on past them."""
         plan, k = self._inp.plan, rep.trial_index
         seen = self._rungs_seen.get(k, 0)
         for i, value in enumerate(rep.values):
@@ -311,3 +321,5 @@ class SweepWorkflow:
                 workflow.logger.info("sweep %s: stopping trial %d at rung %d (%s %.4f)", self._inp.sweep_id, k, rung, plan.stop_rule, value)
                 await self._signal(k, "stop")
                 return
+        if rep.values and self._trials_hold:  # it waits at the rung for the verdict
+            await self._signal(k, "pass_rung", plan.rungs[seen + len(rep.values) - 1])

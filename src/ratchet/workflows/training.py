@@ -138,6 +138,9 @@ class TrainingWorkflow:
         # workers", "restoring from step-00000029"); the progress query shows it as the phase.
         self._startup = ""
         self._checkpointed_step: int | None = None  # the step of the latest checkpoint taken or restored
+        self._hold_at_steps: list[int] = []  # a sweep trial's rungs (TrainingInput.hold_at_steps)
+        self._rung_passed = 0  # `pass_rung` before the state exists (a continued run's first task)
+        self._held_at_rung: int | None = None  # the rung the loop waits at for the sweep's verdict
 
     # -- signals and queries -------------------------------------------------------------
 
@@ -148,6 +151,13 @@ class TrainingWorkflow:
     @workflow.signal
     def resume(self) -> None:
         self._paused = False
+
+    @workflow.signal
+    def pass_rung(self, step: int) -> None:
+        """The sweep's verdict on a trial at its rung `step`: go on (a stop is `stop`)."""
+        self._rung_passed = max(self._rung_passed, step)
+        if self._state is not None:
+            self._state.rung_passed = max(self._state.rung_passed, step)
 
     @workflow.signal
     def stop(self) -> None:
@@ -187,7 +197,7 @@ class TrainingWorkflow:
         s = self._state
         return Progress(
             run_id=self._run_id,
-            phase="paused" if self._held_at_boundary else (self._startup or self._phase),
+            phase="paused" if self._held_at_boundary else self._rung_phase() or self._startup or self._phase,
             step=s.next_step if s else 0,
             total_steps=self._plan.steps if self._plan else 0,
             policy_version=s.policy_version if s else 0,
@@ -215,6 +225,7 @@ class TrainingWorkflow:
         self._run_id, self._plan = inp.run_id, inp.plan
         self._live.config = inp.config
         self._search_attributes = inp.search_attributes
+        self._hold_at_steps = list(inp.hold_at_steps)
         try:
             return await self._run(inp)
         except workflow.NondeterminismError:
@@ -252,6 +263,7 @@ class TrainingWorkflow:
             self._state = await self._restore(inp)
         else:
             self._state = inp.resume
+        self._state.rung_passed = max(self._state.rung_passed, self._rung_passed)
         if self._left_queue:
             return await self._stopped_in_queue(self._state)
         self._startup = ""
@@ -539,7 +551,10 @@ class TrainingWorkflow:
     # -- pieces of a step ----------------------------------------------------------------
 
     async def _boundary(self) -> bool:
-        """Wait while paused; False once a stop was asked for."""
+        """Wait for the sweep's verdict at a trial's rung, then while paused; False once a
+        stop was asked for."""
+        if self._state is not None and self._holds_at(self._state, self._state.next_step):
+            await self._await_verdict(self._state)
         if self._paused and not self._stopping:
             if self._unwritten is not None:  # no next step yet to write the last line
                 await self._records_written()
@@ -557,6 +572,25 @@ class TrainingWorkflow:
         if not self._stopping and self._state is not None:
             self._live.apply(self._state)  # changes set since the last boundary start here
         return not self._stopping
+
+    def _holds_at(self, state: RunState, step: int) -> bool:
+        """A sweep trial stops at each rung until the sweep has judged it there."""
+        return step in self._hold_at_steps and state.rung_passed < step and not self._stopping
+
+    async def _await_verdict(self, state: RunState) -> None:
+        """Wait at a rung for the sweep's `pass_rung` or `stop`. Without the wait a trial
+        could run past its rung, or to its end, before the sweep had read its value there,
+        and a trial the rule stops was never stopped."""
+        rung = state.next_step
+        await self._records_written()  # the sweep reads the rung's value from metrics.jsonl
+        self._held_at_rung = rung
+        try:
+            await workflow.wait_condition(lambda: state.rung_passed >= rung or self._stopping)
+        finally:
+            self._held_at_rung = None
+
+    def _rung_phase(self) -> str:
+        return "" if self._held_at_rung is None else f"waiting for the sweep's verdict at step {self._held_at_rung}"
 
     async def _move_off_draining_nodes(self, state: RunState) -> None:
         """Checkpoint now (unless the step just ended with one, or nothing was trained yet),
@@ -659,7 +693,8 @@ class TrainingWorkflow:
             )
             record, self._unwritten = self._unwritten, None  # written by this step's activity, however it ends
             next_start = None
-            if state.next_step + 1 < plan.steps and not (self._stopping or self._paused):
+            # No prefetch for a step that may not come: after a stop or a pause, or at a rung.
+            if state.next_step + 1 < plan.steps and not (self._stopping or self._paused or self._holds_at(state, state.next_step + 1)):
                 next_start = sched.next_prompt_start(state)
             inp = StepInput(
                 rollout, state.policy_version, kl_coef=state.kl_coef, live=dict(state.live.values), safe_lambda=state.safe_lambda,
