@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -31,10 +32,19 @@ def metric_lines(run: str | Path) -> list[dict]:
 
 
 def steps_recorded(run: str | Path) -> int:
-    try:
-        return len(metric_lines(run))
-    except (FileNotFoundError, OSError):
-        return 0
+    """Lines in the run's metrics.jsonl (0 before the first). A failed read (the S3 server
+    busy while a node dies) is tried again: taken for 0, it made a fault injector see its
+    fault's next step at once."""
+    for attempt in range(10):
+        try:
+            return len(metric_lines(run))
+        except FileNotFoundError:
+            return 0
+        except OSError:
+            if attempt == 9:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
 
 
 def trained_prompts(run: str | Path, steps: int) -> list[int]:

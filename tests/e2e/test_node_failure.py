@@ -183,15 +183,22 @@ def inject(cluster: Cluster, run_id: str, seed: int, done: threading.Event, fire
     rng = random.Random(seed)
     run = cluster.run_uri(run_id)
     probe = Client.connect(temporal_address(cluster.settings))
+    seen = 0
+
+    def steps() -> int:  # never back: a read that fails while a node dies is no step lost
+        nonlocal seen
+        seen = max(seen, steps_recorded(run))
+        return seen
+
     kinds = ["rollout", "trainer", "worker"]
     rng.shuffle(kinds)
     try:
         if drain:
-            while steps_recorded(run) < DRAIN_STEP and not done.is_set():
+            while steps() < DRAIN_STEP and not done.is_set():
                 time.sleep(0.1)
-            fired.append(drain_trainer_node(cluster, run_id))
+            fired.append(drain_trainer_node(cluster, run_id, probe))
         for step, kind in zip((s + DRAIN_STEP if drain else s for s in FAULT_STEPS), kinds):
-            while steps_recorded(run) < step and not done.is_set():
+            while steps() < step and not done.is_set():
                 time.sleep(0.1)
             if done.is_set():
                 return
@@ -208,11 +215,11 @@ def inject(cluster: Cluster, run_id: str, seed: int, done: threading.Event, fire
                 index = _node_of_an_activity(cluster, probe, run_id, done)
                 if index is None:
                     return
-            before = steps_recorded(run)
+            before = steps()
             t0 = time.monotonic()
             holds_trainer = index in cluster.nodes_running("TrainerWorker")
             cluster.kill_node(index)
-            while steps_recorded(run) <= before and not done.is_set():
+            while steps() <= before and not done.is_set():
                 time.sleep(0.1)
             fired.append({"fault": kind, "step": before, "node": index, "holds_trainer": holds_trainer,
                           "to_next_step_s": round(time.monotonic() - t0, 1)})  # fmt: skip
@@ -220,23 +227,42 @@ def inject(cluster: Cluster, run_id: str, seed: int, done: threading.Event, fire
         probe.close()
 
 
-def drain_trainer_node(cluster: Cluster, run_id: str) -> dict:
+def drain_trainer_node(cluster: Cluster, run_id: str, probe: Client) -> dict:
     """`ratchet drain` (the CLI, in a process of its own: it leaves through os._exit) of a
-    node holding a trainer rank."""
+    node holding a trainer rank. The run is paused until the drain is in its history: the
+    CLI takes seconds to start and join the cluster, in which the run's steps (a fraction of
+    a second each) would otherwise use up the steps the node losses after it need."""
     from ratchet.platform.services import ray_address, ray_auth_env
 
+    handle = probe.get(run_id)
+    handle.pause()
     while not (holding := cluster.nodes_running("TrainerWorker")):
         time.sleep(0.1)  # a rank still being rebuilt after the last fault
     index, before, t0 = holding[0], steps_recorded(cluster.run_uri(run_id)), time.monotonic()
     env = {**os.environ, "RATCHET_RAY_ADDRESS": ray_address(cluster.settings),
            "RATCHET_TEMPORAL_ADDRESS": temporal_address(cluster.settings), **ray_auth_env(cluster.settings)}  # fmt: skip
-    out = subprocess.run(
+    cli = subprocess.Popen(
         [str(Path(sys.executable).parent / "ratchet"), "drain", f"node-{index}", "--wait-s", "120"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    try:
+        while cli.poll() is None and not _signalled(probe, run_id, "drain"):
+            time.sleep(0.2)
+    finally:
+        handle.resume()  # it moves off at the boundary it is paused at
+    output, _ = cli.communicate(timeout=300)
     cluster.drained.append(index)  # Ray shuts a drained node down once idle; replaced after the run
-    return {"fault": "drain", "step": before, "node": index, "holds_trainer": True, "exit_code": out.returncode,
-            "output": out.stdout + out.stderr, "moved_off_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+    return {"fault": "drain", "step": before, "node": index, "holds_trainer": True, "exit_code": cli.returncode,
+            "output": output, "moved_off_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def _signalled(probe: Client, run_id: str, name: str) -> bool:
+    """Whether signal `name` is in the run's history."""
+    history = probe._run(probe.get(run_id)._handle().fetch_history())
+    return any(
+        e.HasField("workflow_execution_signaled_event_attributes") and e.workflow_execution_signaled_event_attributes.signal_name == name
+        for e in history.events
+    )
 
 
 def _node_of_an_activity(cluster: Cluster, probe: Client, run_id: str, done: threading.Event) -> int | None:
