@@ -14,8 +14,9 @@ decides in workflow code, on values that are in the history. A trial waits at ea
 until it is judged (its `hold_at_steps`): one to stop gets the training workflow's own
 `stop` signal (it evaluates, exports and completes) and is marked pruned, the others
 `pass_rung`. A trial never runs a step past a rung it was stopped at, however fast its
-steps and however slow the sweep's worker. Signals `pause`, `resume` and `cancel` act on the whole sweep: the running trials
-are paused, resumed or stopped, and no new trial starts while paused or once cancelled.
+steps and however slow the sweep's worker. Signals `pause`, `resume` and `cancel` act on
+the whole sweep: the running trials are paused, resumed or stopped, and no new trial
+starts while paused or once cancelled.
 
 Deterministic like the training workflow (docs/design.md, rule 8): no Optuna, no file reads,
 no clocks but Temporal's timers; activities by name, types from `ratchet.sweep_types`.
