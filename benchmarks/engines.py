@@ -134,14 +134,18 @@ def measure(w: Workload, engine_name: str, repeats: int, storage: Path) -> Measu
 
     from ratchet.workers.engines import SamplingParams, build_engine
     from ratchet.workers.prompts import PromptSet
-    from ratchet.workers.rollout import RolloutWorker
+    from ratchet.workers.actors.placement import actor_env
+    from ratchet.workers.rollout import ROLLOUT_CONCURRENCY_GROUPS, RolloutWorker
     from ratchet.workers.rollout_batching import prompt_seeds, sampling_seed
 
     cfg = run_config(w, engine_name, storage)
     engine = build_engine(cfg, str(w.model))
     prompts = PromptSet(str(w.data), engine.tokenizer, max_prompt_length=w.max_prompt_length)
     batch = [prompts.token_ids[i] for i in range(w.prompts)]
-    actor = ray.remote(RolloutWorker).options(num_cpus=1).remote(cfg, str(w.model), str(storage / "run"))
+    # Created as a run creates it: its environment (threads, malloc settings) and its
+    # concurrency groups (the version probe on a thread of its own).
+    actor_class = ray.remote(concurrency_groups=ROLLOUT_CONCURRENCY_GROUPS)(RolloutWorker)
+    actor = actor_class.options(num_cpus=1, runtime_env=actor_env(cfg)).remote(cfg, str(w.model), str(storage / "run"))
     ray.get(actor.policy_version.remote())  # constructed: the engine is loaded
     raw_rates, actor_rates, ratios, outside = [], [], [], []
     for call in range(repeats + 1):  # call 0 warms caches on both sides
