@@ -135,7 +135,7 @@ def measure(w: Workload, engine_name: str, repeats: int, storage: Path) -> Measu
     from ratchet.workers.engines import SamplingParams, build_engine
     from ratchet.workers.prompts import PromptSet
     from ratchet.workers.actors.placement import actor_env
-    from ratchet.workers.rollout import ROLLOUT_CONCURRENCY_GROUPS, RolloutWorker
+    from ratchet.workers.rollout import RolloutWorker
     from ratchet.workers.rollout_batching import prompt_seeds, sampling_seed
 
     cfg = run_config(w, engine_name, storage)
@@ -144,7 +144,7 @@ def measure(w: Workload, engine_name: str, repeats: int, storage: Path) -> Measu
     batch = [prompts.token_ids[i] for i in range(w.prompts)]
     # Created as a run creates it: its environment (threads, malloc settings) and its
     # concurrency groups (the version probe on a thread of its own).
-    actor_class = ray.remote(concurrency_groups=ROLLOUT_CONCURRENCY_GROUPS)(RolloutWorker)
+    actor_class = ray.remote(concurrency_groups=RolloutWorker.CONCURRENCY_GROUPS)(RolloutWorker)
     actor = actor_class.options(num_cpus=1, runtime_env=actor_env(cfg)).remote(cfg, str(w.model), str(storage / "run"))
     ray.get(actor.policy_version.remote())  # constructed: the engine is loaded
     raw_rates, actor_rates, ratios, outside = [], [], [], []

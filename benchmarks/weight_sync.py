@@ -31,7 +31,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from ratchet.config.schema import RunConfig  # noqa: E402
-from ratchet.workers.trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker  # noqa: E402
+from ratchet.workers.trainer import TrainerWorker  # noqa: E402
 from ratchet.workers.weight_sync import MB, as_source  # noqa: E402
 from ratchet.workers.weight_sync.ray_transport import stream_sync  # noqa: E402
 
@@ -181,7 +181,7 @@ class PlasmaPeak:
 
 def run(size_mb: float, bucket_sizes: list[float], repeats: int) -> list[dict]:
     config = llama_config(size_mb)
-    trainer = ray.remote(concurrency_groups=TRAINER_CONCURRENCY_GROUPS)(BenchTrainer).options(num_cpus=1).remote(config, bucket_sizes[0])
+    trainer = ray.remote(concurrency_groups=BenchTrainer.CONCURRENCY_GROUPS)(BenchTrainer).options(num_cpus=1).remote(config, bucket_sizes[0])
     engine = ray.remote(BenchEngine).options(num_cpus=1).remote(config)
     rows = []
     try:

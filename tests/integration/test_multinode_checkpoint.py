@@ -159,9 +159,9 @@ def start_ranks(ray, actors, model: str, env_by_rank: list[dict]) -> list:
     from ratchet.workers.actors import Role
     from ratchet.workers.actors.names import NAMESPACE
     from ratchet.workers.actors.placement import actor_env
-    from ratchet.workers.trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
+    from ratchet.workers.trainer import TrainerWorker
 
-    cls = ray.remote(concurrency_groups=TRAINER_CONCURRENCY_GROUPS)(TrainerWorker)
+    cls = ray.remote(concurrency_groups=TrainerWorker.CONCURRENCY_GROUPS)(TrainerWorker)
     ranks = []
     for rank, extra in enumerate(env_by_rank):
         env = actor_env(actors.cfg)

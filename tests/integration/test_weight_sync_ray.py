@@ -33,7 +33,7 @@ def run(platform, tmp_path_factory):
     from ratchet.platform.services.ray_auth import APPLIED_VAR, RAY_AUTH_VARS
     from ratchet.platform.worker import connect_ray
     from ratchet.workers.actors import Role, RunActors, release_run_actors
-    from ratchet.workers.rollout import ROLLOUT_CONCURRENCY_GROUPS, RolloutWorker
+    from ratchet.workers.rollout import RolloutWorker
 
     before = {k: os.environ.get(k) for k in (*RAY_AUTH_VARS, APPLIED_VAR)}
     connect_ray(ray_address(platform.settings), ray_auth_env(platform.settings))
@@ -45,7 +45,7 @@ def run(platform, tmp_path_factory):
         actors.start_trainers(model)
         ranks = actors.trainer_ranks()
         ray.get([r.__ray_call__.remote(perturb, 7) for r in ranks])
-        rollouts = [actors.start_rollout(model), actors._create(RolloutWorker, Role.ROLLOUT, 1, 0.25, cfg, model, actors.run_uri, groups=ROLLOUT_CONCURRENCY_GROUPS)]
+        rollouts = [actors.start_rollout(model), actors._create(RolloutWorker, Role.ROLLOUT, 1, 0.25, cfg, model, actors.run_uri)]
         yield actors, ranks, rollouts
     finally:
         release_run_actors("ws-ray")

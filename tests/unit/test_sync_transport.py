@@ -284,7 +284,7 @@ def on_ray_gpus(tmp_path, tiny_model, copy_data, trainer_gpus: float, replica_gp
     import ray
 
     from ratchet.workers.rollout import RolloutWorker
-    from ratchet.workers.trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
+    from ratchet.workers.trainer import TrainerWorker
 
     if ray.is_initialized():
         pytest.skip("a Ray of this session is connected already; these tests start their own")
@@ -292,7 +292,7 @@ def on_ray_gpus(tmp_path, tiny_model, copy_data, trainer_gpus: float, replica_gp
     try:
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # new_policy runs in the trainer
         cfg = config(root=tmp_path, model=tiny_model, data=copy_data, device="cuda")
-        trainer = ray.remote(num_cpus=0.5, num_gpus=trainer_gpus, concurrency_groups=TRAINER_CONCURRENCY_GROUPS)(TrainerWorker)
+        trainer = ray.remote(num_cpus=0.5, num_gpus=trainer_gpus, concurrency_groups=TrainerWorker.CONCURRENCY_GROUPS)(TrainerWorker)
         rank0 = trainer.remote(cfg, str(tiny_model), str(tmp_path), 0, 1)
         replica = ray.remote(num_cpus=0.5, num_gpus=replica_gpus)(RolloutWorker).remote(cfg, str(tiny_model), str(tmp_path))
         ray.get(rank0.setup.remote(0))

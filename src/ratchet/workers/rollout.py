@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Mapping
+from typing import ClassVar, Mapping
 
 import numpy as np
 import ray
@@ -53,10 +53,12 @@ TORN_VERSION = -1
 # still generate the batch prefetched for it, and its request for that batch is queued
 # right behind the generation instead of behind the probe's answer (one round trip less).
 PROBE_GROUP = "probe"
-ROLLOUT_CONCURRENCY_GROUPS = {PROBE_GROUP: 1}
 
 
 class RolloutWorker:
+    # Ray creates the actor with these (placement.create_actor reads them from the class).
+    CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {PROBE_GROUP: 1}
+
     def __init__(self, cfg: RunConfig, policy_path: str, run_uri: str):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg = cfg

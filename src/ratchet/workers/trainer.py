@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import ray
 
@@ -62,12 +62,12 @@ log = logging.getLogger(__name__)
 # Building a Hugging Face model for an export: one thread of the process at a time (_write_hf).
 _HF_BUILD_LOCK = threading.Lock()
 
-# `published_weights` answers from a thread of its own, while an update runs; the `sync_*`
-# methods hand buckets to the rollout replicas while the main thread gathers them.
-TRAINER_CONCURRENCY_GROUPS = {"published": 1, SYNC_GROUP: SYNC_GROUP_THREADS}
-
-
 class TrainerWorker:
+    # Ray creates the actor with these (placement.create_actor reads them from the class):
+    # `published_weights` answers from a thread of its own, while an update runs; the
+    # `sync_*` methods hand buckets to the rollout replicas while the main thread gathers them.
+    CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"published": 1, SYNC_GROUP: SYNC_GROUP_THREADS}
+
     def __init__(self, cfg: RunConfig, policy_path: str, run_uri: str, rank: int, world_size: int):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size

@@ -170,11 +170,12 @@ def check_resources(
 
 def create_actor(
     run_id: str, cfg: RunConfig, waiter: Waiter, cls, role: str, rank: int, num_cpus: float, *args,
-    concurrency: int = 1, groups: dict | None = None, slot: tuple[Slot, PoolPlan] | None = None,
+    concurrency: int = 1, slot: tuple[Slot, PoolPlan] | None = None,
 ):  # fmt: skip
     """The run's detached actor `role`-`rank` (the live one if it exists), once a node
-    has placed it; with `slot`, in that bundle of its pool's placement group. The run
-    holds its admission grant first (a rebuilt actor takes back its own CPUs)."""
+    has placed it; with `slot`, in that bundle of its pool's placement group; with the
+    concurrency groups its class declares (`CONCURRENCY_GROUPS`). The run holds its
+    admission grant first (a rebuilt actor takes back its own CPUs)."""
     admission.reclaim(run_id, run_need(cfg))
     name = actor_name(run_id, role, rank)
     options = dict(
@@ -197,6 +198,7 @@ def create_actor(
             num_gpus=where.gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=where.bundle),
         )
+    groups = getattr(cls, "CONCURRENCY_GROUPS", None)
     remote_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
     deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
     while True:

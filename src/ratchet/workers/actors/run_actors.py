@@ -25,8 +25,8 @@ from ratchet.storage import ObjectStore, RunLayout
 from ..critic import CriticWorker
 from ..results import GenerateResult, ScoreResult, WarmupResult
 from ..reward import RewardWorker
-from ..rollout import ROLLOUT_CONCURRENCY_GROUPS, RolloutWorker
-from ..trainer import TRAINER_CONCURRENCY_GROUPS, TrainerWorker
+from ..rollout import RolloutWorker
+from ..trainer import TrainerWorker
 from . import placement
 from .names import Role, actor_name, find_named, kill_named, release_run_actors, run_actor_names
 from .restore_lease import restore_lease
@@ -65,12 +65,11 @@ class RunActors:
         """Which pool and bundle each actor takes (no pools: the whole cluster, as before)."""
         return plan_placement(self.cfg)
 
-    def _create(self, cls, role: str, rank: int, num_cpus: float, *args, concurrency: int = 1, groups: dict | None = None):
+    def _create(self, cls, role: str, rank: int, num_cpus: float, *args, concurrency: int = 1):
         where = self.plan.slot(role, rank)
         slot = (where, next(p for p in self.plan.pools if p.name == where.pool)) if where is not None else None
         return placement.create_actor(
-            self.run_id, self.cfg, self.waiter, cls, role, rank, num_cpus, *args, concurrency=concurrency, groups=groups,
-            slot=slot,
+            self.run_id, self.cfg, self.waiter, cls, role, rank, num_cpus, *args, concurrency=concurrency, slot=slot,
         )  # fmt: skip
 
     def check_resources(self, settle_s: float = placement.RESOURCE_SETTLE_S) -> None:
@@ -88,7 +87,6 @@ class RunActors:
         world = self.cfg.trainer.world_size
         return self._create(
             TrainerWorker, Role.TRAINER, rank, self.cfg.resources.trainer_cpus, self.cfg, policy_path, self.run_uri, rank, world,
-            groups=TRAINER_CONCURRENCY_GROUPS,
         )  # fmt: skip
 
     def warm_up(self, base_model_path: str) -> WarmupResult:
@@ -214,7 +212,7 @@ class RunActors:
         concurrency = 2 if self.cfg.uses_partial_rollouts else 1
         return self._create(
             RolloutWorker, Role.ROLLOUT, rank, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri,
-            concurrency=concurrency, groups=ROLLOUT_CONCURRENCY_GROUPS,
+            concurrency=concurrency,
         )  # fmt: skip
 
     def start_rollouts(self, policy_path: str) -> list:
