@@ -181,9 +181,12 @@ def test_pool_is_a_placement_group_holding_the_actors_and_released_with_them(pla
         replicas = actors.start_rollouts(str(platform.assets.model))
         assert ray_driver.get([a.policy_version.remote() for a in replicas]) == [0, 0]
         assert actors.plan.colocated and [actors.plan.slot("rollout", r).cpus for r in (0, 1)] == [0.25, 0.25]
-        # Colocated: a batch, then the engines asked to sleep (the HF engine has no sleep mode).
+        # Colocated: a batch, then the engines asked to sleep (the HF engine's sleep frees
+        # nothing on CPU) and woken up again: they still serve their version.
         assert actors.generate(0, 0, PROMPTS, 0).num_samples == PROMPTS * N
-        assert ray_driver.get([a.sleep.remote() for a in replicas]) == [False, False]
+        assert ray_driver.get([a.sleep.remote() for a in replicas]) == [True, True]
+        assert ray_driver.get([a.wake_up.remote() for a in replicas]) == [True, True]
+        assert ray_driver.get([a.policy_version.remote() for a in replicas]) == [0, 0]
     finally:
         release_run_actors("pool-pg")
     assert run_pool_groups("pool-pg") == {}

@@ -40,28 +40,36 @@ class _SwapPoint:
         return out
 
 
-class _PerPromptSampler:
-    """The last logits processor when each prompt has its own seed: it draws the tokens of
-    prompt i's n rows from a generator seeded with `seeds[i]` alone, records their log-probs
-    under the processed distribution, and leaves only the drawn token possible, so that
-    greedy selection takes it. A prompt's samples then do not depend on which other prompts
-    share the call, which is what lets a batch be split over engine replicas unchanged
-    (HF's own sampler draws every row from one global stream)."""
+class _Sampler:
+    """The last logits processor: the draw itself. HF then generates with `do_sample=False`
+    and picks the one token left possible, the drawn one. Drawing here records each drawn
+    token's log-prob as it is drawn, one number per row and step, where HF's own
+    `output_scores` keeps every step's [rows, vocabulary] logits to the end (256 rows x a
+    152k vocabulary x 512 steps: 80 GB in float32, and as much again to stack them).
 
-    def __init__(self, seeds: tuple[int, ...], n: int):
-        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        self.n = n
+    `seeds`: None is greedy (the most likely token); one seed draws every row from one
+    stream (HF's own sampling: softmax of the processed scores, `torch.multinomial`, so a
+    seed gives the tokens HF's sampler gave); one seed per prompt draws the `n` rows of
+    prompt i from a stream of `seeds[i]` alone, so that a prompt's samples do not depend
+    on which other prompts share the call, which is what lets a batch be split over engine
+    replicas unchanged. The streams live on the scores' device: on a GPU no logits cross
+    to the host."""
+
+    def __init__(self, seeds: tuple[int, ...] | None, *, per_prompt: bool):
+        self.seeds, self.per_prompt = seeds, per_prompt
+        self.generators: list[torch.Generator] | None = None
         self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logp = scores.float().log_softmax(-1)
-        probs = logp.exp()
-        # The generators live on the CPU (one stream per prompt, whatever the device), so
-        # the draw does too; a few KB per decode step.
-        cpu_probs = probs.cpu()
-        tokens = torch.cat(
-            [torch.multinomial(cpu_probs[i * self.n : (i + 1) * self.n], 1, generator=g) for i, g in enumerate(self.generators)]
-        ).to(scores.device)
+        if self.seeds is None:
+            tokens = logp.argmax(-1, keepdim=True)
+        else:
+            if self.generators is None:
+                self.generators = [torch.Generator(device=scores.device).manual_seed(int(s)) for s in self.seeds]
+            probs = logp.exp() if self.per_prompt else scores.float().softmax(-1)  # HF's sampler: softmax
+            rows = scores.shape[0] // len(self.generators)  # n per prompt, or every row for one stream
+            tokens = torch.cat([torch.multinomial(probs[i * rows : (i + 1) * rows], 1, generator=g) for i, g in enumerate(self.generators)])
         self.logprobs.append(logp.gather(-1, tokens).squeeze(-1))
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
 
@@ -75,8 +83,10 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         # The GPU when this process sees one (a Ray actor given num_gpus), else the CPU.
-        self.model.to("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model.to(self.device)
         self.model.eval()
+        self.asleep = False
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_id = self.tokenizer.eos_token_id
 
@@ -84,8 +94,14 @@ class HFEngine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, version: int = 0, weight_swap: WeightSwap | None = None
     ) -> list[list[Generation]]:
-        from transformers import LogitsProcessorList
+        """Left-padded prompts, each repeated `n` times (once when greedy), generated in one
+        `model.generate` call; the draw is `_Sampler`'s (its docstring: which seeds give
+        which streams). Sampling applies HF's own warpers in HF's order (temperature, then
+        top-p), after the weight-swap point."""
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+        if self.asleep:
+            raise RuntimeError("the HF engine is asleep (its weights are in host memory): call wake_up() before generate")
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -94,57 +110,18 @@ class HFEngine:
             mask[i, width - len(p) :] = 1
         n = 1 if params.greedy else params.n
         swap_point = _SwapPoint(weight_swap or (lambda: None), version)
-        if params.prompt_seeds is not None and not params.greedy:
-            return self._generate_per_prompt(ids, mask, params, swap_point)
-        # A private RNG stream seeded per call: the same (seed, prompts) give the same samples,
-        # and the process's global generator is left as it was.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(params.seed)
-            out = self.model.generate(
-                input_ids=ids.to(self.model.device),
-                attention_mask=mask.to(self.model.device),
-                do_sample=not params.greedy,
-                temperature=None if params.greedy else params.temperature,
-                top_p=None if params.greedy else params.top_p,
-                top_k=None,
-                max_new_tokens=params.max_new_tokens,
-                num_return_sequences=n,
-                eos_token_id=self.eos_id,
-                pad_token_id=self.pad_id,
-                output_scores=True,
-                return_dict_in_generate=True,
-                logits_processor=LogitsProcessorList([swap_point]),
-            )
-        new = out.sequences[:, width:].cpu()
-        # `scores` are the processed logits the sampler drew from (temperature, top-p applied).
-        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu().gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        versions = swap_point.versions(new.shape[1])
-        results: list[list[Generation]] = []
-        for row in range(new.shape[0]):
-            tokens = new[row].tolist()
-            end = tokens.index(self.eos_id) + 1 if self.eos_id in tokens else len(tokens)
-            gen = Generation(token_ids=tokens[:end], logprobs=logprobs[row, :end].tolist(), versions=versions[:end])
-            if row % n == 0:
-                results.append([])
-            results[-1].append(gen)
-        if params.greedy and params.n > 1:
-            results = [group * params.n for group in results]
-        return results
-
-    def _generate_per_prompt(self, ids, mask, params: SamplingParams, swap_point: _SwapPoint) -> list[list[Generation]]:
-        """Sampling with a seed per prompt (`params.prompt_seeds`): the same warpers as
-        HF's sampling (temperature, then top-p), then `_PerPromptSampler` draws."""
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-
-        if len(params.prompt_seeds) != ids.shape[0]:
-            raise ValueError(f"{len(params.prompt_seeds)} prompt seeds for {ids.shape[0]} prompts")
-        n, width = params.n, ids.shape[1]
-        sampler = _PerPromptSampler(params.prompt_seeds, n)
         processors = [swap_point]
-        if params.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(params.temperature))
-        if params.top_p < 1.0:
-            processors.append(TopPLogitsWarper(params.top_p))
+        if params.greedy:
+            seeds = None
+        else:
+            if params.prompt_seeds is not None and len(params.prompt_seeds) != len(prompts):
+                raise ValueError(f"{len(params.prompt_seeds)} prompt seeds for {len(prompts)} prompts")
+            seeds = params.prompt_seeds if params.prompt_seeds is not None else (params.seed,)
+            if params.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_p < 1.0:
+                processors.append(TopPLogitsWarper(params.top_p))
+        sampler = _Sampler(seeds, per_prompt=params.prompt_seeds is not None)
         out = self.model.generate(
             input_ids=ids.repeat_interleave(n, dim=0).to(self.model.device),
             attention_mask=mask.repeat_interleave(n, dim=0).to(self.model.device),
@@ -168,7 +145,26 @@ class HFEngine:
             if row % n == 0:
                 results.append([])
             results[-1].append(Generation(token_ids=tokens[:end], logprobs=logprobs[row, :end].tolist(), versions=versions[:end]))
+        if params.greedy and params.n > 1:
+            results = [group * params.n for group in results]
         return results
+
+    def sleep(self) -> None:
+        """Colocated placement: hand the GPU to the trainer. The weights move to host
+        memory and the allocator's cache is emptied (generation's KV cache is freed after
+        every call anyway), so the device keeps nothing of this engine; `wake_up` moves
+        them back. Nothing on a CPU, where there is no device memory to free."""
+        if self.device.type != "cuda" or self.asleep:
+            return
+        self.model.to("cpu")
+        torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        if not self.asleep:
+            return
+        self.model.to(self.device)
+        self.asleep = False
 
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         # Every parameter must arrive. A tied lm_head.weight (the embedding's storage under
