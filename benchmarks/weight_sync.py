@@ -103,7 +103,7 @@ class BenchTrainer(TrainerWorker):
         )  # fmt: skip
         self.rank, self.world_size = 0, 1
         self.trainer = SimpleNamespace(model=build_model(config, seed=1), version=1)
-        from ratchet.workers.weight_sync.ray_transport import RelayRegistry
+        from ratchet.workers.weight_sync.protocol import RelayRegistry
 
         self._relays = RelayRegistry()
         self.rss = PeakRss()

@@ -43,15 +43,8 @@ from .lora import adapter_state, sync_view, write_adapter_folder
 from .policy_update import PolicyTrainer, check_finite_weights
 from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult, WarmupResult
 from .runtime import configure_worker_process, free_port, node_address
-from .weight_sync.ray_transport import (
-    STREAM_TIMEOUT_S,
-    SYNC_GROUP,
-    SYNC_GROUP_THREADS,
-    WINDOW,
-    PublishedSource,
-    RelayRegistry,
-    StreamReport,
-)
+from .weight_sync.protocol import STREAM_TIMEOUT_S, SYNC_GROUP, SYNC_GROUP_THREADS, WINDOW, RelayRegistry, StreamReport
+from .weight_sync.ray_transport import PublishedSource
 from .weight_sync.relay import BucketRelay
 from .weight_sync.trainer_side import check_finite_shards, gather_and_offer, sync_plan
 

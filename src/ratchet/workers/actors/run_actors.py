@@ -33,7 +33,7 @@ from .restore_lease import restore_lease
 from .waiting import PlainWaiter, Waiter, WaitTimeout
 
 if TYPE_CHECKING:
-    from ..weight_sync.ray_transport import SyncResult
+    from ..weight_sync.protocol import SyncResult
 
 log = logging.getLogger(__name__)
 

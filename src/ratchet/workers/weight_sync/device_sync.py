@@ -40,7 +40,7 @@ import torch
 from .buckets import Manifest, TensorSpec, WeightBucket, gather_tensors
 from .cuda_ipc import FlatLayout, flat_layout, flatten_bucket, open_shared, share, unflatten_bucket
 from .nccl import _from_rank0, bucket_layouts, init_engine_group
-from .ray_transport import STREAM_TIMEOUT_S, RelayedSource, SyncResult, call
+from .protocol import STREAM_TIMEOUT_S, RelayedSource, SyncResult, call
 from .relay import BucketRelay, SyncAborted
 
 # Buckets a rank shares ahead of the slowest replica it serves (IPC): gathering bucket i+1
