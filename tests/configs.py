@@ -3,10 +3,15 @@ is not run, so the dataset path is never opened)."""
 
 from __future__ import annotations
 
-from ratchet.config.schema import RunConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ratchet.config.schema import RunConfig
 
 
-def make_cfg(model_path, **sections) -> RunConfig:
+def cfg_dict(model_path, **sections) -> dict:
+    """The raw config: a small GRPO run on `model_path`, with `sections` merged in. No
+    pydantic here: tests/gpu builds its configs from it on the GPU machine."""
     raw = {
         "seed": 0,
         "model": {"path": str(model_path)},
@@ -16,4 +21,10 @@ def make_cfg(model_path, **sections) -> RunConfig:
     }
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
-    return RunConfig.model_validate(raw)
+    return raw
+
+
+def make_cfg(model_path, **sections) -> RunConfig:
+    from ratchet.config.schema import RunConfig
+
+    return RunConfig.model_validate(cfg_dict(model_path, **sections))

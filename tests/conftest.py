@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.platform.services import free_ports
+# Nothing of ratchet at the top: tests/gpu is collected on the GPU machine, which has
+# torch and transformers but no pydantic, Ray or Temporal (benchmarks/gpu_machine.py).
 
 # One thread per process on these small machines (two thrash); torch reads these when it
 # is imported, so tests that need no torch (the scheduling and loop-mode tests) do not
@@ -121,7 +122,7 @@ class Platform:
 def platform(assets):
     from ratchet.platform.client import Client
     from ratchet.platform.demo import start_worker_process, stop_worker_process, wait_until_serving
-    from ratchet.platform.services import ServiceSettings, down, temporal_address, up
+    from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
 
     # Short path: Ray's unix socket paths must stay under 107 characters.
     state = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-"))

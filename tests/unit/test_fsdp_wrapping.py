@@ -20,11 +20,11 @@ import torch.distributed as dist
 from ratchet.workers.batch import RolloutBatch, ScoredStep
 from ratchet.workers.policy_update import PolicyTrainer
 from ratchet.workers.sharding import unit_classes
+from tests.batches import REWARDS, make_batch
 from tests.configs import make_cfg
 
 VOCAB = 96
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma"]
-REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 0.25, 0.0])
 
 
 def family_config(family: str):
@@ -73,26 +73,6 @@ def leave_no_process_group():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def make_batch(seed: int = 0, rows: int = 8, prompt_len: int = 5, response_len: int = 6) -> RolloutBatch:
-    """2 prompts x 4 samples of random tokens, some responses ending early."""
-    g = torch.Generator().manual_seed(seed)
-    response_mask = torch.ones(rows, response_len)
-    for row, length in {1: 2, 3: 4, 6: 1}.items():
-        response_mask[row, length:] = 0
-    prompt_mask = torch.ones(rows, prompt_len, dtype=torch.long)
-    prompt_mask[4:, :2] = 0  # left padding on the second prompt
-    return RolloutBatch(
-        prompt_ids=torch.randint(3, VOCAB, (rows, prompt_len), generator=g) * prompt_mask,
-        prompt_mask=prompt_mask,
-        response_ids=torch.randint(3, VOCAB, (rows, response_len), generator=g) * response_mask.long(),
-        response_mask=response_mask,
-        rollout_logprobs=torch.full((rows, response_len), -4.5),
-        policy_version=torch.zeros(rows, response_len, dtype=torch.long),
-        prompt_index=torch.tensor([0] * 4 + [1] * 4),
-        samples=[{}] * rows,
-    )
 
 
 def step(trainer: PolicyTrainer, batch: RolloutBatch) -> dict[str, float]:
