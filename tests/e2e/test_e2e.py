@@ -16,7 +16,13 @@ from ratchet.types import RunSummary
 
 pytestmark = pytest.mark.integration
 
-STEPS = 30
+# 60 steps: enough for the greedy eval to rise on any CPU. The demo recipe's eval (64
+# greedy answers) over seeds 0-7, measured in-process (LocalLoop: the workers' own code,
+# which gives this test's numbers to the digit; AMD EPYC, torch 2.13 CPU) rose by -0.005
+# to 0.137 after 30 steps (seed 0 had not moved yet: the test once asserted that), 0.053
+# to 0.168 after 45, 0.092 to 0.224 after 60. The bound below is a third of the smallest.
+STEPS = 60
+EVAL_RISE = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +67,10 @@ def test_every_step_has_metrics_exactly_once(grpo_run):
 
 
 def test_eval_reward_beats_warmup_model(grpo_run):
-    """Greedy reward on the fixed eval set after RL, against the warm-up model (step 0)."""
+    """Greedy reward on the fixed eval set after RL, against the warm-up model (step 0);
+    the margin and the step count are outside the spread over seeds (STEPS above)."""
     _, summary = grpo_run
-    assert summary.eval_rewards[str(STEPS)] > summary.eval_rewards["0"] + 0.005, summary.eval_rewards
+    assert summary.eval_rewards[str(STEPS)] > summary.eval_rewards["0"] + EVAL_RISE, summary.eval_rewards
 
 
 def test_history_has_one_step_activity_per_step(grpo_run, platform):

@@ -99,6 +99,9 @@ def test_sft_dpo_grpo_pipeline(platform, tmp_path):
     assert [s.kind for s in summary.stages] == ["sft", "dpo", "rl"]
     assert [s.steps for s in summary.stages] == [SFT_STEPS, DPO_STEPS, RL_STEPS]
 
+    # Over seeds 0-5 (benchmarks/learning_spread.py pipeline; AMD EPYC, torch 2.13 CPU): SFT
+    # eval loss 3.12 -> 0.12-0.31, DPO margin 0.26-0.35 and accuracy 0.83-0.97, RL reward
+    # 0.68-0.88: every bound below sits far outside.
     # SFT: the held-out loss on the assistant tokens falls.
     assert sft.metrics_last["eval/loss"] < sft.metrics_first["eval/loss"] - 0.5, (sft.metrics_first, sft.metrics_last)
     # DPO: at its start the policy is the reference (margin 0, no pair won); after it, the

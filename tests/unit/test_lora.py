@@ -319,11 +319,16 @@ def test_two_gloo_ranks_train_lora_like_one_and_reshard_checkpoints(trained, tin
     mp.spawn(_two_ranks, args=(free_port(), str(tiny_model), str(tmp_path)), nprocs=2, join=True)
     merged2 = load_file(str(tmp_path / "merged2.safetensors"))
     merged1 = trainer.full_state()
-    assert max((merged2[k] - merged1[k]).abs().max().item() for k in merged2) < 1e-5
+    # Two ranks sum the gradients in another order than one, and AdamW's first steps move a
+    # weight by about lr (1e-2) whatever its gradient's size, so a near-zero gradient's
+    # rounding shows: over batch seeds 0-5 (AMD EPYC, torch 2.13 CPU) the adapters differed
+    # by 1.5e-5 to 1.7e-4 and the merged weights by 6e-7 to 6.8e-6. The bounds sit 6x and
+    # 15x above the largest; a rank's gradient left out would differ by about lr.
+    assert max((merged2[k] - merged1[k]).abs().max().item() for k in merged2) < 1e-4
     synced2 = load_file(str(tmp_path / "synced2.safetensors"))
     assert set(synced2) == set(merged2) and all(torch.equal(synced2[k], merged2[k]) for k in merged2)
     adapter2, adapter1 = load_file(str(tmp_path / "adapter2.safetensors")), lora.adapter_state(trainer.model)
-    assert set(adapter2) == set(adapter1) and max((adapter2[k] - adapter1[k]).abs().max().item() for k in adapter1) < 1e-5
+    assert set(adapter2) == set(adapter1) and max((adapter2[k] - adapter1[k]).abs().max().item() for k in adapter1) < 1e-3
     merged1to2 = load_file(str(tmp_path / "merged1to2.safetensors"))
     assert all(torch.equal(merged1to2[k], merged1[k]) for k in merged1to2)
     restored = PolicyTrainer(str(tiny_model), make_cfg(tiny_model))  # 2 ranks -> 1
