@@ -133,7 +133,7 @@ def case_safe_rlhf(assets: Assets, seed: int) -> dict[str, float]:
 
 
 def case_pipeline(assets: Assets, seed: int) -> dict[str, float]:
-    import yaml
+    from types import SimpleNamespace
 
     from ratchet.config.pipeline_plan import rl_stage_config
     from ratchet.config.schema import RunConfig
@@ -141,29 +141,19 @@ def case_pipeline(assets: Assets, seed: int) -> dict[str, float]:
     from ratchet.tasks.pipeline_data import write_pipeline_data
     from ratchet.workers.local_loop import LocalLoop
     from ratchet.workers.supervised import ChunkRequest, run_chunk
-    from tests.e2e.test_pipeline import DPO_STEPS, EXAMPLE, RL_STEPS, SFT_STEPS
+    from tests.e2e.test_pipeline import DPO_STEPS, RL_STEPS, SFT_STEPS, _config
 
     data = write_pipeline_data(assets.root / f"pipeline-data-{seed}", train=256, held_out=64)
-    raw = yaml.safe_load(EXAMPLE.read_text())  # as tests/e2e/test_pipeline.py::_config cuts it
+    # The e2e test's own cut of the example, on these assets.
+    raw = _config(SimpleNamespace(assets=assets.assets, runs_root=assets.root / "runs"), data)
     raw["seed"] = seed
-    raw["model"]["path"] = str(assets.assets.model)
-    raw["data"].update(train_files=str(assets.train), eval_files=None)
-    raw["storage"] = {"root": str(assets.root / "runs")}
-    raw["loop"].update(prompts_per_step=8)
-    raw["rollout"]["n"] = 4
-    sft, dpo, rl = raw["stages"]
-    sft.update(steps=SFT_STEPS, batch_size=16, chunk_steps=20, eval_size=64)
-    sft["data"].update(train_files=str(data["sft"]), eval_files=str(data["sft_eval"]))
-    dpo.update(steps=DPO_STEPS, batch_size=16, chunk_steps=10, eval_size=64)
-    dpo["data"].update(train_files=str(data["prefs"]), eval_files=str(data["prefs_eval"]))
-    rl["overrides"] = {"loop.steps": RL_STEPS}
     cfg = RunConfig.model_validate(raw)
     store = ObjectStore(str(assets.root / "runs"))
     model = str(assets.assets.model)
     results = {}
-    for index, kind, steps, chunk in ((0, "sft", SFT_STEPS, 20), (1, "dpo", DPO_STEPS, 10)):
+    for index, kind, steps in ((0, "sft", SFT_STEPS), (1, "dpo", DPO_STEPS)):
         run = store.child(f"spread-{seed}-{kind}-{time.monotonic_ns()}").url
-        stage = cfg.stages[index].model_dump(mode="json")
+        stage, chunk = cfg.stages[index].model_dump(mode="json"), cfg.stages[index].chunk_steps
         chunks = [run_chunk(ChunkRequest(run, stage, index, model, start, start + chunk, seed=seed)) for start in range(0, steps, chunk)]
         results[kind] = (chunks[0].eval_before, chunks[-1].eval_after)
         model = chunks[-1].model_uri

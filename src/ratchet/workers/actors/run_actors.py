@@ -247,16 +247,25 @@ class RunActors:
                 kill_named([self.name(Role.ROLLOUT, rank)])
                 actors[i] = self.start_rollout(self.initial_policy(), rank)
                 held.append(self.wait(actors[i].policy_version.remote()))
-        if self.plan.colocated:
+        if self.hands_over:
             self.wait([a.wake_up.remote() for a in actors])
         if expected_version is not None:
             self._bring_to(actors, held, expected_version, exact)
         return actors
 
+    @property
+    def hands_over(self) -> bool:
+        """Whether the engines give the trainer their device memory between generating a
+        batch and the update: colocated, in sync mode. The async modes generate while the
+        trainer trains (a colocated GPU pool is refused for them at submit): put to sleep
+        there, an engine would wait for the generation in flight, which waits for the
+        trainer (a colocated CPU pool hung so once the HF engine learnt to sleep)."""
+        return self.plan.colocated and self.cfg.loop.mode == "sync"
+
     def sleep_rollouts(self) -> None:
-        """Colocated: the engines release their device memory for the trainer (nothing on
-        CPU, nothing when split); `rollouts` wakes them up again."""
-        if self.plan.colocated:
+        """`hands_over`: the engines release their device memory for the trainer (nothing
+        on CPU); `rollouts` wakes them up again."""
+        if self.hands_over:
             found = [self.find(Role.ROLLOUT, r) for r in range(self.cfg.rollout.replicas)]
             self.wait([a.sleep.remote() for a in found if a is not None])
 
