@@ -258,8 +258,8 @@ class RunActors:
         """Whether the engines give the trainer their device memory between generating a
         batch and the update: colocated, in sync mode. The async modes generate while the
         trainer trains (a colocated GPU pool is refused for them at submit): put to sleep
-        there, an engine would wait for the generation in flight, which waits for the
-        trainer (a colocated CPU pool hung so once the HF engine learnt to sleep)."""
+        there (a CPU pool of every role), an engine would first wait for the generation
+        in flight, and the batch's activity with it."""
         return self.plan.colocated and self.cfg.loop.mode == "sync"
 
     def sleep_rollouts(self) -> None:
