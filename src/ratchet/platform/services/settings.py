@@ -4,6 +4,7 @@ the environment or keyword arguments) and the addresses derived from it."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +45,47 @@ class ServiceError(RuntimeError):
     """An embedded service could not be started, found, or stopped."""
 
 
+# free_ports picks from here up to the kernel's ephemeral range: every outgoing connection
+# (and every `bind(0)`, which Ray and Temporal use for their inner ports) takes a port from
+# that range, so a port found free there can be gone before the service binds it.
+_PICK_FROM = RAY_WORKER_PORTS[1] + 1
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))  # Ray binds every interface
+        except OSError:
+            return False
+    return True
+
+
 def free_ports(n: int) -> list[int]:
-    """`n` distinct ports that were free a moment ago, outside Ray's reserved ranges
-    (for tests and benchmarks that run their own services beside a user's)."""
+    """`n` distinct ports that are free now, for tests and benchmarks that run their own
+    services beside a user's: random ones between Ray's worker ports and the kernel's
+    ephemeral range (no outgoing connection takes one there before the service binds
+    it), outside the ports Ray and Temporal use by default."""
+    low, high = _PICK_FROM, _ephemeral_range()[0] - 1
+    if high - low < 1000:  # an ephemeral range that starts low: take what the kernel gives
+        return _kernel_ports(n)
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randint(low, high)
+        if port not in _AVOID_PORTS and port not in ports and _is_free(port):
+            ports.append(port)
+    return ports
+
+
+def _kernel_ports(n: int) -> list[int]:
     socks, ports = [], []
     try:
         while len(ports) < n:
