@@ -51,10 +51,11 @@ def test_a_sync_by_cuda_ipc_handles_leaves_the_engine_with_the_trainers_weights(
 def test_sleep_releases_the_engines_gpu_memory_and_wake_up_takes_it_back(engine):
     before = engine.greedy(PROMPTS, 8)
     slept = engine.sleep()
-    assert slept.device == "cuda" and slept.allocated_before > 1_000_000  # the tiny model's ~2 MB of bf16 weights
-    assert slept.allocated_after < 0.1 * slept.allocated_before
+    assert slept.device == "cuda" and slept.weight_bytes > 1_000_000  # the tiny model's ~2 MB of bf16 weights
+    # Before: the weights and cuBLAS's 32 MiB workspace (H200); after: nothing (0 B measured there).
+    assert slept.allocated_before >= slept.weight_bytes and slept.allocated_after < 0.05 * slept.weight_bytes
     woke = engine.wake_up()
-    assert woke.allocated_after >= 0.9 * slept.allocated_before
+    assert woke.allocated_after >= woke.weight_bytes == slept.weight_bytes
     assert engine.greedy(PROMPTS, 8) == before
 
 

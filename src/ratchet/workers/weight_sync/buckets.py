@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 MB = 1 << 20
 
@@ -149,8 +150,12 @@ def make_manifest(
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor shard is all-gathered (a collective: every rank calls)."""
-    if hasattr(tensor, "full_tensor"):
+    """The whole tensor: a DTensor shard is all-gathered (a collective: every rank calls).
+    On a mesh of one rank the local shard is the whole tensor: taken as it is, without the
+    collective and DTensor's per-call dispatch, paid per tensor (a few hundred a sync)."""
+    if isinstance(tensor, DTensor) and tensor.device_mesh.size() == 1:
+        tensor = tensor.to_local()
+    elif hasattr(tensor, "full_tensor"):  # a DTensor, or a stand-in for one (lora.MergedWeight)
         tensor = tensor.full_tensor()
     return tensor.detach()
 

@@ -54,6 +54,8 @@ class HandOver:
     allocated_before: int  # bytes the engine's process had allocated on the device
     allocated_after: int
     device: str
+    weight_bytes: int  # the engine's parameters and buffers: what a wake-up must bring back
+    # (cuBLAS's workspaces, also released by sleep, come back with the next matmul)
 
 
 def weights_digest(entries: list, manifest: Manifest) -> dict[str, float]:
@@ -113,11 +115,12 @@ class ColocatedEngine:
             relay.start(manifest)
             _, failure = gather_and_share(entries, manifest, relay)
             received = self._reply("sync")  # the engine's own error first: it is the cause
+            seconds = time.perf_counter() - t0  # the trainer may go on from here; stopping the relay's thread is cleanup
             if failure is not None:
                 raise failure
         finally:
             server.stop()
-        return ColocatedSync(bytes=received, buckets=len(manifest.buckets), seconds=time.perf_counter() - t0, window_peak=relay.peak_stored)
+        return ColocatedSync(bytes=received, buckets=len(manifest.buckets), seconds=seconds, window_peak=relay.peak_stored)
 
     def sleep(self) -> HandOver:
         return HandOver(**self._ask("sleep"))
@@ -186,7 +189,7 @@ class _RelayServer(threading.Thread):
             if not self.engine_process.is_alive():
                 self.relay.fail("the engine process died")
                 return
-            if not self.conn.poll(0.05):
+            if not self.conn.poll(0.01):  # also how long stop() may wait for this thread
                 continue
             method, args = self.conn.recv()
             try:
@@ -281,7 +284,12 @@ class _EngineServer:
         t0 = time.perf_counter()
         move()
         after = _allocated()
-        return {"seconds": time.perf_counter() - t0, "allocated_before": before, "allocated_after": after, "device": self.engine.device.type}
+        model = self.engine.model
+        weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        return {
+            "seconds": time.perf_counter() - t0, "allocated_before": before, "allocated_after": after,
+            "device": self.engine.device.type, "weight_bytes": weight_bytes,
+        }  # fmt: skip
 
     def sleep(self) -> dict:
         return self._hand_over(self.engine.sleep)
