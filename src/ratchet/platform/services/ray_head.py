@@ -110,11 +110,20 @@ def _command(settings: ServiceSettings, temp: Path) -> list[str]:
     ]  # fmt: skip
 
 
+# What every Ray node ratchet starts is told. No usage reports. No prestarted default
+# workers: a raylet would start one per CPU at start-up and again when the first driver
+# connects (half a second of CPU each, then ~1% of a core each while idle), but every
+# ratchet actor carries a runtime_env (its thread and malloc settings:
+# actors/placement.py), so Ray starts a process of its own for it and the prestarted ones
+# only ever wait.
+RAY_NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
+
+
 def _environment(settings: ServiceSettings) -> tuple[dict[str, str], dict[str, str], str]:
     """The head's environment, its RAY_AUTH_* part and where that came from."""
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env.update(RAY_NODE_ENV)
     # Ray binds its ports on every interface whatever --node-ip-address says: token
     # authentication is what keeps others out. The head, its workers (they inherit
     # this environment) and every driver (`ray_auth_env`) use the same mode and token.

@@ -22,6 +22,7 @@ from typing import Any
 
 from . import processes
 from .ray_auth import ray_auth_env
+from .ray_head import RAY_NODE_ENV
 from .settings import ServiceError, ServiceSettings, ray_address, temporal_address
 from .state import now
 
@@ -63,7 +64,7 @@ def _environment(settings: ServiceSettings) -> dict[str, str]:
         RATCHET_RAY_ADDRESS=ray_address(settings),
         RATCHET_TEMPORAL_ADDRESS=temporal_address(settings),
         RATCHET_STATE_DIR=str(settings.state_dir),
-        RAY_USAGE_STATS_ENABLED="0",
+        **RAY_NODE_ENV,
     )
     from ratchet.registry.urls import ENV as REGISTRY_ENV
     from ratchet.registry.urls import sqlite_url

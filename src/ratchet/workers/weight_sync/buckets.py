@@ -14,12 +14,12 @@ at a time, which is exact (the engine casts it back).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 MB = 1 << 20
 
@@ -153,7 +153,10 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor shard is all-gathered (a collective: every rank calls).
     On a mesh of one rank the local shard is the whole tensor: taken as it is, without the
     collective and DTensor's per-call dispatch, paid per tensor (a few hundred a sync)."""
-    if isinstance(tensor, DTensor) and tensor.device_mesh.size() == 1:
+    # Not imported for this check: torch.distributed.tensor costs ~0.5 s, and a process that
+    # never imported it (a rollout worker) holds no DTensor.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor) and tensor.device_mesh.size() == 1:
         tensor = tensor.to_local()
     elif hasattr(tensor, "full_tensor"):  # a DTensor, or a stand-in for one (lora.MergedWeight)
         tensor = tensor.full_tensor()
