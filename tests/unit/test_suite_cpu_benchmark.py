@@ -27,7 +27,9 @@ def test_a_process_started_while_sampling_is_charged_its_cpu_under_its_kind():
         child.communicate("")
     cpu, label = sampler.of(child.pid)
     assert label == "ratchet worker"  # by the module name on its command line
-    assert cpu >= 0.4  # its burn, all of it after the sampler's first look
+    # Its burn, all of it after the sampler's first look; /proc counts user and system time
+    # in clock ticks (10 ms each), so the sum may read up to two ticks short.
+    assert cpu >= 0.38
     by_kind, processes = sampler.by_kind()
     assert by_kind[label] >= cpu and processes[label] >= 1
 
