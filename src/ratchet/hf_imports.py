@@ -1,4 +1,5 @@
-"""transformers, imported without the scikit-learn and SciPy it does not need here.
+"""transformers, imported without what ratchet does not use of it: scikit-learn and
+SciPy, and the model registry where only a tokenizer is wanted.
 
 transformers imports scikit-learn (for assisted generation's candidate selection) and
 SciPy's optimizers (for object-detection losses, pulled in with every model class)
@@ -8,9 +9,20 @@ model: each actor at start-up (every run starts three or more), the config check
 submit. `hide_sklearn_and_scipy()` tells transformers they are absent; call it before the
 process's first `from transformers import ...`. Both stay importable for a user's own
 code (a reward function may use them).
+
+`load_tokenizer(folder)` gives what `AutoTokenizer.from_pretrained(folder)` gives. For a
+folder whose tokenizer_config.json names the generic `tokenizers`-backed class (what
+`tokenizers` saves, and the demo and test models), it builds that class directly: the
+same object, without importing transformers' auto-model registry (AutoTokenizer imports
+it with every model's configuration and generation utilities: about 2 CPU-s, for a
+reward actor or a config check that only decodes or counts tokens). Any other class goes
+through AutoTokenizer, so a model's own tokenizer class is never replaced.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 _CHECKS = ("is_sklearn_available", "is_scipy_available")
 
@@ -27,3 +39,33 @@ def hide_sklearn_and_scipy() -> None:
 
 def _absent() -> bool:
     return False
+
+
+# tokenizer_config.json's `tokenizer_class` values that mean transformers' generic fast
+# tokenizer (TokenizersBackend since transformers 5, PreTrainedTokenizerFast its old name).
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(folder: str | Path, **kwargs):
+    """`AutoTokenizer.from_pretrained(folder, **kwargs)`, without the model registry when
+    the folder's tokenizer is the generic one (see the module docstring)."""
+    hide_sklearn_and_scipy()
+    if _tokenizer_class(Path(folder)) in _GENERIC_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder), **kwargs)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), **kwargs)
+
+
+def _tokenizer_class(folder: Path) -> str | None:
+    """The class tokenizer_config.json names, or None (no such file, unreadable, not saved
+    with a tokenizer.json: AutoTokenizer decides then)."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not (folder / "tokenizer.json").is_file():
+        return None
+    return config.get("tokenizer_class")

@@ -196,6 +196,10 @@ def test_up_starts_temporal_and_ray(running):
     assert recorded["temporal"]["pid"] == st.temporal.pid
     assert recorded["ray"]["gcs_pid"] == st.ray.pid
     assert recorded["ray"]["temp_dir"] == st.ray_temp_dir
+    # The head's processes include its raylet but no log monitor (RAY_NODE_FLAGS: nothing reads its output).
+    commands = [" ".join(processes.cmdline(pid)) for pid in ray_head.pids(recorded["ray"])]
+    assert any("raylet" in c for c in commands), commands
+    assert not any("log_monitor" in c for c in commands), commands
 
 
 @pytest.mark.integration

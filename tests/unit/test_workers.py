@@ -641,16 +641,19 @@ def test_retried_train_call_does_not_update_twice(tiny_model, train_batch, tmp_p
         worker.train(1, 0, 0.0)
 
 
-def test_the_submit_check_and_the_reward_worker_leave_scikit_learn_and_scipy_unimported(tiny_model, copy_data, tmp_path):
-    """transformers imports scikit-learn and SciPy (1.5-2 s of CPU) whenever installed; the config
-    check at submit and every actor's start tell it not to (hf_imports.py). Each in a fresh
-    process, as a Ray actor's is; both stay importable for a user's reward function."""
+def test_the_submit_check_and_the_reward_worker_leave_scikit_learn_scipy_and_the_model_registry_unimported(tiny_model, copy_data, tmp_path):
+    """transformers imports scikit-learn and SciPy (1.5-2 s of CPU) whenever installed, and
+    AutoTokenizer its whole auto-model registry (about 2 s more); the config check at submit
+    and the reward worker only need a tokenizer, so they import neither (hf_imports.py).
+    Each in a fresh process, as a Ray actor's is; scikit-learn stays importable for a user's
+    reward function."""
     import subprocess
     import sys
 
     head = "import importlib.util, sys\nfrom ratchet.platform.client import RECIPE_PATH\n"
-    tail = 'assert "transformers.generation.utils" in sys.modules, "no tokenizer loaded: nothing shown"\n' + (
-        'print("sklearn" in sys.modules or "scipy" in sys.modules, importlib.util.find_spec("sklearn") is not None)'
+    tail = 'assert "transformers.tokenization_utils_tokenizers" in sys.modules, "no tokenizer loaded: nothing shown"\n' + (
+        'print("sklearn" in sys.modules or "scipy" in sys.modules, importlib.util.find_spec("sklearn") is not None,'
+        ' "transformers.models.auto.modeling_auto" in sys.modules or "transformers.generation.utils" in sys.modules)'
     )
     overrides = [f"model.path={tiny_model}", f"data.train_files={copy_data}", "data.eval_files=null", f"storage.root={tmp_path}"]
     checks = {
@@ -666,7 +669,33 @@ def test_the_submit_check_and_the_reward_worker_leave_scikit_learn_and_scipy_uni
     for what, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, (what, err[-2000:])
-        assert out.split() == ["False", "True"], (what, out)
+        assert out.split() == ["False", "True", "False"], (what, out)
+
+
+def test_load_tokenizer_gives_what_auto_tokenizer_gives(tiny_model, tmp_path):
+    """The generic tokenizer is built directly (the same class AutoTokenizer picks, the same
+    ids and text); a folder naming another class goes through AutoTokenizer and gets it."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from ratchet.hf_imports import load_tokenizer
+
+    text = "1 2 3 4 -> 4 3 2 1"
+    direct, auto = load_tokenizer(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    assert type(direct) is type(auto) and type(direct).__name__ == "TokenizersBackend"
+    ids = direct(text).input_ids
+    assert ids == auto(text).input_ids and len(ids) > 3
+    assert direct.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    assert (direct.pad_token_id, direct.eos_token_id) == (auto.pad_token_id, auto.eos_token_id)
+
+    other = tmp_path / "llama-tokenizer"
+    shutil.copytree(tiny_model, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    assert type(load_tokenizer(other)) is type(AutoTokenizer.from_pretrained(other))
+    assert type(load_tokenizer(other)).__name__ != "TokenizersBackend"
 
 
 def test_an_actor_generation_after_the_first_page_faults_nothing_back(tiny_model, copy_data, tmp_path):

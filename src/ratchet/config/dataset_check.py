@@ -143,12 +143,9 @@ def load_tokenizer(cfg: RunConfig) -> tuple[Any, list[Issue]]:
             )
         ]
     try:
-        from ratchet.hf_imports import hide_sklearn_and_scipy
+        from ratchet.hf_imports import load_tokenizer
 
-        hide_sklearn_and_scipy()  # the check runs at every submit: 1.5 s less
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path)  # the check runs at every submit: seconds less (hf_imports.py)
     except Exception as exc:  # any failure to load is a problem of the model folder
         text = " ".join(str(exc).split())
         text = text if len(text) <= 300 else text[:297] + "..."

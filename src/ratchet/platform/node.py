@@ -22,6 +22,7 @@ import threading
 import time
 
 from .services import processes
+from .services.ray_head import RAY_NODE_FLAGS
 from .services.ray_nodes import READY_LINE, node_name, node_resource, worker_identity_prefix
 
 log = logging.getLogger("ratchet.node")
@@ -39,6 +40,7 @@ def _ray_command(index: int, cpus: float, host: str) -> list[str]:
         "--num-cpus", f"{cpus:g}",
         "--resources", json.dumps({node_resource(index): 1}),
         "--disable-usage-stats",
+        *RAY_NODE_FLAGS,
     ]  # fmt: skip
 
 

@@ -60,12 +60,9 @@ def stage_data_issues(cfg: RunConfig) -> list[tuple[str, str]]:
                 continue
             try:
                 if tokenizer is None:
-                    from ratchet.hf_imports import hide_sklearn_and_scipy
+                    from ratchet.hf_imports import load_tokenizer
 
-                    hide_sklearn_and_scipy()
-                    from transformers import AutoTokenizer
-
-                    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+                    tokenizer = load_tokenizer(cfg.model.path)
                 d = stage.data
                 if stage.kind == "sft":
                     lengths = [len(encode_conversation(tokenizer, m).input_ids) for m in read_conversations(path, d.messages_key)]

@@ -27,13 +27,13 @@ from .scoring import RewardModelScorer, check_finite_rewards, score_batch
 class RewardWorker:
     def __init__(self, cfg: RunConfig, tokenizer_path: str, run_uri: str):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
-        from transformers import AutoTokenizer  # after configure_worker_process: see hf_imports.py
+        from ratchet.hf_imports import load_tokenizer  # after configure_worker_process: see hf_imports.py
 
         r = cfg.reward
         self.cfg = r
         self.reward_fn = load_reward_fn(r.function) if r.function else None
         self.reward_model = RewardModelScorer(r.model_path) if r.model_path else None
-        self.tokenizer = AutoTokenizer.from_pretrained(local_hf_path(tokenizer_path))
+        self.tokenizer = load_tokenizer(local_hf_path(tokenizer_path))  # decodes only: no model registry
         self.run = ObjectStore(run_uri)
         self.costs = CostScorer(cfg.safety) if cfg.uses_safety else None
         self.filter = RolloutFilter(cfg.rollout.filter) if cfg.rollout.filter else None

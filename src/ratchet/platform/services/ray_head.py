@@ -106,6 +106,7 @@ def _command(settings: ServiceSettings, temp: Path) -> list[str]:
         # With extra nodes the head only coordinates, as on a cluster: actors go to nodes.
         "--num-cpus", str(0 if settings.nodes or settings.worker_nodes else (os.cpu_count() or 1)),
         "--disable-usage-stats",
+        *RAY_NODE_FLAGS,
         "--temp-dir", str(temp),
     ]  # fmt: skip
 
@@ -117,6 +118,11 @@ def _command(settings: ServiceSettings, temp: Path) -> list[str]:
 # actors/placement.py), so Ray starts a process of its own for it and the prestarted ones
 # only ever wait.
 RAY_NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
+# And no log monitor: it tails every worker's log file to publish the lines to drivers that
+# print them (`log_to_driver`), and every ratchet driver turns that off (platform/worker.py);
+# the lines stay in each node's log files. It polled all along: 3.6 CPU-s per node over a
+# test's platform (benchmarks/suite_cpu.py over the suite: 93 CPU-s in 26 nodes).
+RAY_NODE_FLAGS = ("--include-log-monitor=false",)
 
 
 def _environment(settings: ServiceSettings) -> tuple[dict[str, str], dict[str, str], str]:
