@@ -41,6 +41,8 @@ KINDS = (
     ("chrom", "Chromium"),
     ("postgres", "PostgreSQL"),
     (" start", "`ray start` / `ratchet up`"),
+    ("ratchet.platform.node", "ratchet node (a node's supervisor)"),
+    ("/bin/ratchet", "ratchet CLI"),
 )
 
 
@@ -122,8 +124,9 @@ class Sampler(threading.Thread):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pytest_args", nargs=argparse.REMAINDER, help="what pytest is given (node ids, -k ...)")
-    pytest_args = ap.parse_args().pytest_args
+    ap.add_argument("pytest_args", nargs="*", help="what pytest is given (node ids, -k ..., options first or last)")
+    known, options = ap.parse_known_args()  # pytest's own options (-q, -n 2, ...) pass through
+    pytest_args = [*options, *known.pytest_args]
     if not pytest_args:
         ap.error("name the tests to run, as pytest takes them")
     sampler = Sampler()
@@ -138,10 +141,13 @@ def main() -> int:
     table = Table(title=f"CPU by process kind: {total:.0f} CPU-s in {wall:.0f} s of wall time ({total / wall:.2f} cores), pytest exit {rc}")
     for col, justify in (("kind", "left"), ("processes", "right"), ("CPU s", "right"), ("share", "right")):
         table.add_column(col, justify=justify)
+    # A kind of its own for anything else of 1% or more (a CLI, a `python -c` check), by
+    # process name; the rest of the machine in one line.
+    shown = {k for k, v in cpu_by_kind.items() if v >= 0.05 and (not k.startswith("other") or v >= 0.01 * total)}
     for label, cpu in cpu_by_kind.most_common():
-        if cpu >= 0.05 and not label.startswith("other"):
+        if label in shown:
             table.add_row(label, str(processes[label]), f"{cpu:.1f}", f"{cpu / total:.0%}")
-    other = sum(v for k, v in cpu_by_kind.items() if k.startswith("other"))
+    other = sum(v for k, v in cpu_by_kind.items() if k.startswith("other") and k not in shown)
     table.add_row("other processes of the machine", "", f"{other:.1f}", f"{other / max(total, 1e-9):.0%}")
     Console(width=140).print(table)
     return rc

@@ -53,3 +53,5 @@ def test_kinds_by_command_line():
     assert suite_cpu.kind(Fake(["python", "-m", "ratchet.platform.worker"])) == "ratchet worker"
     assert suite_cpu.kind(Fake([], "kworker/0:1")) is None  # kernel threads are not counted
     assert suite_cpu.kind(Fake(["bash", "-c", "x"], "bash")) == "other: bash"
+    assert suite_cpu.kind(Fake(["/v/bin/python", "/v/bin/ratchet", "runs"], "ratchet")) == "ratchet CLI"
+    assert suite_cpu.kind(Fake(["/v/bin/python", "-m", "ratchet.platform.node", "--index", "1"])) == "ratchet node (a node's supervisor)"
