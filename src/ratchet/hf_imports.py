@@ -46,17 +46,17 @@ def _absent() -> bool:
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def load_tokenizer(folder: str | Path, **kwargs):
-    """`AutoTokenizer.from_pretrained(folder, **kwargs)`, without the model registry when
+def load_tokenizer(folder: str | Path):
+    """`AutoTokenizer.from_pretrained(folder)`, without the model registry when
     the folder's tokenizer is the generic one (see the module docstring)."""
     hide_sklearn_and_scipy()
     if _tokenizer_class(Path(folder)) in _GENERIC_CLASSES:
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(str(folder), **kwargs)
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _tokenizer_class(folder: Path) -> str | None:

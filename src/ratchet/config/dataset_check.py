@@ -143,9 +143,9 @@ def load_tokenizer(cfg: RunConfig) -> tuple[Any, list[Issue]]:
             )
         ]
     try:
-        from ratchet.hf_imports import load_tokenizer
+        from ratchet.hf_imports import load_tokenizer as load_hf_tokenizer  # this function's name
 
-        tokenizer = load_tokenizer(cfg.model.path)  # the check runs at every submit: seconds less (hf_imports.py)
+        tokenizer = load_hf_tokenizer(cfg.model.path)  # the check runs at every submit: seconds less (hf_imports.py)
     except Exception as exc:  # any failure to load is a problem of the model folder
         text = " ".join(str(exc).split())
         text = text if len(text) <= 300 else text[:297] + "..."
