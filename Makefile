@@ -60,15 +60,22 @@ COMPOSE := /usr/bin/docker-compose
 $(COMPOSE):
 	$(SUDO) apt-get install -y -q docker-compose >/dev/null || ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q docker-compose >/dev/null)
 
+# The code runner's sandbox (src/ratchet/tools/sandbox.py) runs model code under bubblewrap;
+# the security tests run that real isolation.
+BWRAP := /usr/bin/bwrap
+
+$(BWRAP):
+	$(SUDO) apt-get install -y -q bubblewrap >/dev/null || ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q bubblewrap >/dev/null)
+
 # Two test processes: most of the suite waits (on services, timeouts, a 30 s outage), so
 # two files at a time fill the two cores CI has. A file stays in one process (--dist
 # loadfile), so module fixtures are shared; each process starts its own platform.
-test: $(STAMP) $(BROWSER) $(COMPOSE)
+test: $(STAMP) $(BROWSER) $(COMPOSE) $(BWRAP)
 	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
 
 # Everything that starts no Ray: unit tests, bad input, storage on the S3 server, the
 # loop modes on a Temporal dev server with stand-in activities.
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(BWRAP)
 	$(PY) -m pytest -q -x -p no:cacheprovider -m "not integration"
 
 clean:

@@ -26,6 +26,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "RATCHET_STATE_DIR" not in os.environ:
     os.environ["RATCHET_STATE_DIR"] = tempfile.mkdtemp(prefix="rt-state-")
     atexit.register(shutil.rmtree, os.environ["RATCHET_STATE_DIR"], ignore_errors=True)
+# One Temporal payload key for the session (platform/payload_codec.py): the platforms
+# tests start keep their state in folders of their own, while this process's clients read
+# the variable, so every client, worker and codec server must be told the same file.
+os.environ.setdefault("RATCHET_PAYLOAD_KEY_FILE", os.path.join(os.environ["RATCHET_STATE_DIR"], "payload.key"))
 # The tests' workers sweep closed runs' actors at start-up only: many tests create actors
 # with no workflow behind them, which a periodic sweep would take for leftovers.
 os.environ.setdefault("RATCHET_SWEEP_EVERY_S", "0")

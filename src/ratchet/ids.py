@@ -12,8 +12,10 @@ import re
 
 # Letters, digits, '_', '.', '-'; starts with a letter or digit (so never '.' or '..'),
 # at most 128 characters (an S3 key segment, a Temporal workflow id and a Ray actor name
-# all take that comfortably).
-ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# all take that comfortably). Matched whole with `fullmatch`: a `$` anchor also matches
+# before a final newline, and `run1\n` would pass as an id (an object key with a newline,
+# a Temporal id unlike the run's folder).
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 ID_RULE = "1-128 characters of letters, digits, '_', '.', '-', starting with a letter or digit, no '..'"
 
 
@@ -22,7 +24,7 @@ class InvalidId(ValueError):
 
 
 def is_valid_id(value: object) -> bool:
-    return isinstance(value, str) and ID_PATTERN.match(value) is not None and ".." not in value
+    return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None and ".." not in value
 
 
 def check_id(value: object, what: str = "run id") -> str:

@@ -189,6 +189,21 @@ class TrainingInput:
     # A sweep trial with early stopping: its rungs. Once that many steps are done the run
     # waits for the sweep's verdict (`pass_rung` to go on, `stop` to end there).
     hold_at_steps: list[int] = field(default_factory=list)
+    # Set when the workflow continues as new: the commands it had received and not yet
+    # acted on (a pause, nodes to drain), which the next run takes up at its first step
+    # boundary. Workflow state, not run state: never in a checkpoint.
+    carried: CarriedCommands = field(default_factory=lambda: CarriedCommands())
+
+
+@dataclass
+class CarriedCommands:
+    """What a training run continuing as new hands its next run besides the run state: the
+    signals it had received for a step boundary it did not reach. (A stop is not carried:
+    a run stopped in the step that would continue as new ends there instead. Live changes
+    and a sweep's rung verdicts are in the RunState.)"""
+
+    paused: bool = False
+    draining: list[str] = field(default_factory=list)  # Ray node ids (`drain`) not yet moved off
 
 
 @dataclass
@@ -453,3 +468,5 @@ class RunSummary:
     warmup_loss_last: float
     stopped: bool = False  # ended early by the `stop` signal
     dropped_samples: int = 0  # fully_async: samples too stale to train on (their prompts were redone)
+    # Tools that ran model code without the sandbox (`unsafe_local: true`): shown with the result.
+    unsafe_tools: list[str] = field(default_factory=list)

@@ -1,6 +1,12 @@
 """Importing a user's own code by the names configs use: 'package.module' or
 'path/to/file.py' (the part before ':' of a reward function, cost function, rollout filter
-or tool class). Stdlib only, so the torch-free tool catalog and the task loaders share it."""
+or tool class). Stdlib only, so the torch-free tool catalog and the task loaders share it.
+
+This code runs with the worker's rights (its files, its credentials, the Ray cluster), so
+a file another user owns or can write, or one in a folder another user can write, is
+refused before it is imported (`private_paths.check_trusted_code`): that user could
+otherwise make the worker run code of theirs. The config check at submit time imports
+the same modules, so such a run is refused before any work starts."""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from ratchet.private_paths import UntrustedCode, check_trusted_code
 
 
 class UserCodeError(Exception):
@@ -23,10 +31,12 @@ def import_user_module(target: str, namespace: str = "ratchet_user") -> ModuleTy
     user's code at import time becomes a UserCodeError with its type and message."""
     try:
         if not target.endswith(".py"):
+            _check_module_file(target)
             return importlib.import_module(target)
         path = Path(target).expanduser().resolve()
         if not path.is_file():
             raise UserCodeError(f"file not found: {path}")
+        check_trusted_code(path)
         name = f"{namespace}_{hashlib.sha256(str(path).encode()).hexdigest()[:16]}"
         module = sys.modules.get(name)
         if module is None:
@@ -43,5 +53,17 @@ def import_user_module(target: str, namespace: str = "ratchet_user") -> ModuleTy
         return module
     except UserCodeError:
         raise
+    except UntrustedCode as exc:
+        raise UserCodeError(str(exc)) from None
     except Exception as exc:  # any import-time failure of user code is a config error
         raise UserCodeError(f"cannot import {target!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_module_file(target: str) -> None:
+    """The file an installed 'package.module' would run, checked before it runs (finding
+    it imports its parent packages, as any import would)."""
+    if target in sys.modules:
+        return  # already imported: nothing of it runs again
+    spec = importlib.util.find_spec(target)
+    if spec is not None and spec.origin and spec.has_location and Path(spec.origin).is_file():
+        check_trusted_code(Path(spec.origin).resolve())

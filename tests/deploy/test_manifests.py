@@ -2,7 +2,8 @@
 
 - the compose file: `docker-compose config` (Debian's docker-compose 1.29) with the example
   env file, then the resolved file: only 127.0.0.1 ports, Ray token auth on every Ray
-  process, no secret written inline, every required variable in `.env.example`;
+  process, every secret a file (make-secrets.sh writes them 0400) mounted only where it is
+  needed, none in any environment;
 - the images: every COPY source exists and passes the .dockerignore, the torch and Ray pins
   agree with the Makefile and pyproject.toml, the commands the manifests run exist;
 - the Kubernetes manifests: rendered by `kubectl kustomize` (when kubectl is installed),
@@ -10,7 +11,9 @@
   RayCluster against tests/deploy/raycluster.schema.json (OUR schema of the KubeRay fields
   we use, not KubeRay's CRD, which no package ships) with each pod template against the
   core PodTemplateSpec schema, and every Secret and ConfigMap reference against the
-  example Secret and the ConfigMap;
+  example Secret and the ConfigMap; no Secret value in any `env:`, each pod only the secret
+  files it needs, every pod unprivileged (securityContext), and a NetworkPolicy admitting
+  only ratchet's pods to each of Temporal's, Ray's and MinIO's ports;
 - the Temporal Helm values: YAML whose every key is a key of the official chart's values.
 
 Each validator is also shown a broken copy, which it must refuse.
@@ -23,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -40,7 +44,7 @@ DOCKER_COMPOSE = shutil.which("docker-compose")
 needs_compose = pytest.mark.skipif(
     DOCKER_COMPOSE is None, reason="docker-compose is not installed (Debian: apt-get install -y docker-compose)"
 )
-SECRET_NAME = re.compile(r"(PASSWORD|PASSWD|_PWD|SECRET|TOKEN|API_KEY|ACCESS_KEY)")
+SECRET_NAME = re.compile(r"(PASSWORD|PASSWD|_PWD|SECRET|TOKEN(?!IZERS)|API_KEY|ACCESS_KEY)")
 
 
 def _pyproject_pin(name: str) -> str:
@@ -78,11 +82,6 @@ def compose_config() -> dict:
     return yaml.safe_load(done.stdout)
 
 
-def _example_env() -> dict[str, str]:
-    pairs = (line.split("=", 1) for line in (COMPOSE_DIR / ".env.example").read_text().splitlines() if "=" in line and not line.startswith("#"))
-    return {k.strip(): v.strip() for k, v in pairs}
-
-
 def test_compose_validates_and_has_every_service(compose_config):
     assert set(compose_config["services"]) == {
         "postgresql", "temporal-schema", "temporal", "temporal-ui", "temporal-setup", "minio", "minio-init",
@@ -90,13 +89,91 @@ def test_compose_validates_and_has_every_service(compose_config):
     }  # fmt: skip
 
 
-@needs_compose
-def test_compose_without_its_secrets_names_the_missing_variable(tmp_path):
-    empty = tmp_path / "empty.env"
-    empty.write_text("")
-    out = _compose("config", "-q", env_file=empty)
-    assert out.returncode != 0
-    assert re.search(r"set (POSTGRES_PASSWORD|MINIO_ROOT_\w+|RATCHET_S3_\w+|RAY_AUTH_TOKEN) in deploy/compose/.env", out.stderr), out.stderr
+@pytest.fixture(scope="module")
+def made_secrets(tmp_path_factory) -> Path:
+    """The secret files make-secrets.sh writes, in a folder of the test's."""
+    folder = tmp_path_factory.mktemp("compose") / "secrets"
+    out = subprocess.run(["sh", str(COMPOSE_DIR / "make-secrets.sh"), str(folder)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return folder
+
+
+# Variables that hold where a secret is, or a mode, not the secret itself.
+NOT_A_SECRET = re.compile(r"(_FILE|_PATH|_MODE)$")
+
+
+def _secret_values(folder: Path) -> list[str]:
+    import configparser
+
+    values = []
+    for path in folder.iterdir():
+        text = path.read_text().strip()
+        if path.name == "s3_credentials":
+            section = configparser.ConfigParser()
+            section.read_string(text)
+            values += [v for v in section["default"].values() if len(v) > 8]
+        else:
+            values.append(text)
+    return values
+
+
+def test_make_secrets_writes_every_secret_file_private(made_secrets):
+    raw = yaml.safe_load((COMPOSE_DIR / "compose.yaml").read_text())
+    files = {Path(spec["file"]).name for spec in raw["secrets"].values()}
+    assert files == {p.name for p in made_secrets.iterdir()}
+    assert stat.S_IMODE(made_secrets.stat().st_mode) == 0o700
+    for path in made_secrets.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o400, path
+    password = (made_secrets / "postgres_password").read_text().strip()
+    assert f":{password}@postgresql:5432/ratchet_registry" in (made_secrets / "registry_url").read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", (made_secrets / "payload.key").read_text().strip())
+    before = {p.name: p.read_text() for p in made_secrets.iterdir()}
+    subprocess.run(["sh", str(COMPOSE_DIR / "make-secrets.sh"), str(made_secrets)], check=True, capture_output=True, timeout=60)
+    assert {p.name: p.read_text() for p in made_secrets.iterdir()} == before  # kept, not replaced
+    ignored = (COMPOSE_DIR / ".gitignore").read_text().split()
+    assert "secrets/" in ignored and ".env" in ignored
+
+
+def test_compose_has_no_secret_in_any_environment(compose_config, made_secrets):
+    """Before: the Ray token and the S3 keys were environment values of every Ray process
+    (`docker inspect` showed them, every actor inherited them), and the database password
+    sat in URLs. Now every secret is a file under /run/secrets; a variable may only say
+    where it is."""
+    text = yaml.safe_dump(compose_config)
+    for value in _secret_values(made_secrets):
+        assert value not in text
+    for name, svc in compose_config["services"].items():
+        env = svc.get("environment") or {}
+        for key, value in env.items():
+            value = str(value)
+            if SECRET_NAME.search(key):
+                assert NOT_A_SECRET.search(key), f"{name}: {key} holds a secret in the environment; mount it as a file"
+            if SECRET_NAME.search(key) or key.endswith("_FILE"):
+                assert value.startswith("/run/secrets/"), f"{name}: {key}={value}"
+            assert not re.search(r"://[^/\s]*@", value), f"{name}: {key} holds a URL with credentials"
+    raw = (COMPOSE_DIR / "compose.yaml").read_text()
+    assert not re.findall(r"\$\{(\w+):\?", raw), "a secret taken from .env: make it a file"
+    for line in (COMPOSE_DIR / ".env.example").read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            assert not SECRET_NAME.search(line.split("=")[0]), f".env.example holds a secret: {line}"
+
+
+def test_compose_gives_each_service_only_the_secrets_it_needs(compose_config):
+    def names(svc):
+        return {s if isinstance(s, str) else s["source"] for s in svc.get("secrets", [])}
+
+    services = compose_config["services"]
+    assert names(services["ray-head"]) == {"ray_auth_token"}  # no actors there: no S3 keys
+    assert names(services["ray-worker"]) == {"ray_auth_token", "s3_credentials"}
+    assert names(services["ratchet-worker"]) == {"ray_auth_token", "s3_credentials", "registry_url", "payload_key"}
+    assert names(services["mlflow"]) == {"mlflow_db_url"}
+    for name in ("temporal-ui", "temporal-setup"):
+        assert names(services[name]) == set(), name
+    env = services["ratchet-worker"]["environment"]
+    assert env["RATCHET_PAYLOAD_KEY_FILE"] == "/run/secrets/payload.key"
+    assert env["AWS_SHARED_CREDENTIALS_FILE"] == "/run/secrets/s3_credentials"
+    for name in ("ray-head", "ray-worker", "ratchet-worker", "mlflow", "temporal-setup"):
+        assert services[name]["cap_drop"] == ["ALL"] and "no-new-privileges:true" in services[name]["security_opt"], name
 
 
 def test_compose_publishes_only_on_loopback_and_only_the_entry_points(compose_config):
@@ -112,33 +189,13 @@ def test_compose_publishes_only_on_loopback_and_only_the_entry_points(compose_co
 
 
 def test_every_ray_process_runs_with_the_token(compose_config):
-    token = _example_env()["RAY_AUTH_TOKEN"]
     for name in ("ray-head", "ray-worker", "ratchet-worker"):
-        env = compose_config["services"][name]["environment"]
-        assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"] == token, name
+        svc = compose_config["services"][name]
+        env = svc["environment"]
+        assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == "/run/secrets/ray_auth_token", name
+        assert "RAY_AUTH_TOKEN" not in env and "ray_auth_token" in [s if isinstance(s, str) else s["source"] for s in svc["secrets"]]
         assert env["RATCHET_RAY_ADDRESS"] == "ray-head:6379", name
     assert "--port=6379" in compose_config["services"]["ray-head"]["command"]
-
-
-def test_compose_writes_no_secret_inline_and_the_example_env_has_every_variable():
-    raw = yaml.safe_load((COMPOSE_DIR / "compose.yaml").read_text())
-    text = (COMPOSE_DIR / "compose.yaml").read_text()
-
-    def environments():
-        yield "x-ratchet-env", raw["x-ratchet-env"]
-        for name, svc in raw["services"].items():
-            yield name, svc.get("environment") or {}
-
-    for name, env in environments():
-        for key, value in env.items():
-            value = str(value)
-            if SECRET_NAME.search(key) and key != "RAY_AUTH_MODE":
-                assert value.startswith("${"), f"{name}: {key} is written inline; take it from .env as ${{{key}}}"
-            if "://" in value and "@" in value:  # a URL with credentials
-                assert "${" in value.split("@")[0], f"{name}: {key} holds a password inline"
-    required = set(re.findall(r"\$\{(\w+):\?", text))
-    assert required and required <= set(_example_env()), f"missing from .env.example: {required - set(_example_env())}"
-    assert {"POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD", "RATCHET_S3_SECRET_KEY", "RAY_AUTH_TOKEN"} <= required
 
 
 def test_compose_files_and_scripts_exist():
@@ -275,7 +332,7 @@ def _validate_core(kv, doc: dict) -> None:
 
 def test_core_manifests_pass_kubernetes_schemas(k8s_docs, kv):
     kinds = [d["kind"] for d in k8s_docs]
-    assert sorted(kinds) == sorted(["Namespace", "ServiceAccount", "ConfigMap", "RayCluster", "Deployment", "Job"])
+    assert sorted(kinds) == sorted(["Namespace", "ServiceAccount", "ConfigMap", "RayCluster", "Deployment", "Job", "NetworkPolicy", "NetworkPolicy"])
     for doc in k8s_docs + _load_yaml_docs(K8S / "secret.example.yaml"):
         if doc["kind"] != "RayCluster":
             _validate_core(kv, doc)
@@ -319,6 +376,33 @@ def _containers(doc: dict) -> list[tuple[str, dict]]:
     return [(doc["metadata"]["name"], c) for c in spec["containers"]] if spec else []
 
 
+SECRET_DIR = "/var/run/ratchet"
+
+
+def _pod_spec(doc: dict) -> list[dict]:
+    if doc["kind"] == "RayCluster":
+        return [g["template"]["spec"] for _, g in _ray_groups(doc)]
+    if doc["kind"] in ("Deployment", "Job"):
+        return [doc["spec"]["template"]["spec"]]
+    return []
+
+
+def _secret_items(volume: dict) -> list[tuple[str, str, bool]]:
+    """(Secret, key, optional) of every key a volume mounts."""
+    sources = [volume["secret"] | {"name": volume["secret"]["secretName"]}] if "secret" in volume else []
+    sources += [src["secret"] for src in volume.get("projected", {}).get("sources", []) if "secret" in src]
+    return [(src["name"], item["key"], bool(src.get("optional"))) for src in sources for item in src.get("items", [])]
+
+
+def _mounted_secret_files(doc: dict, container: dict) -> set[str]:
+    """The ratchet-secrets keys `container` sees under SECRET_DIR."""
+    for spec in _pod_spec(doc):
+        if container in spec["containers"]:
+            mounted = {m["name"] for m in container.get("volumeMounts", []) if m["mountPath"] == SECRET_DIR and m.get("readOnly")}
+            return {key for v in spec.get("volumes", []) if v["name"] in mounted for name, key, _ in _secret_items(v) if name == "ratchet-secrets"}
+    return set()
+
+
 def test_secret_and_config_references_resolve(k8s_docs):
     secrets = {d["metadata"]["name"]: set(d["stringData"]) for d in _load_yaml_docs(K8S / "secret.example.yaml")}
     config = next(d for d in k8s_docs if d["kind"] == "ConfigMap")
@@ -326,17 +410,140 @@ def test_secret_and_config_references_resolve(k8s_docs):
         for where, container in _containers(doc):
             for ref in container.get("envFrom", []):
                 assert ref["configMapRef"]["name"] == config["metadata"]["name"], where
-            for var in container.get("env", []):
-                ref = var.get("valueFrom", {}).get("secretKeyRef")
-                if ref:
-                    assert ref["key"] in secrets.get(ref["name"], set()), f"{where}: {ref['name']}/{ref['key']} is not in secret.example.yaml"
-                    assert ref["key"] == var["name"], f"{where}: {var['name']} read from key {ref['key']}"
-        for volume in doc.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", []):
-            if "secret" in volume:
-                assert volume["secret"]["secretName"] in secrets
-    # Files named in the ConfigMap's (commented) TLS lines are the keys of the TLS Secret.
-    tls_files = re.findall(r"/etc/ratchet/temporal-tls/([\w.]+)", (K8S / "configmap.yaml").read_text())
+        for spec in _pod_spec(doc):
+            for volume in spec.get("volumes", []):
+                for name, key, _ in _secret_items(volume):
+                    assert key in secrets.get(name, set()), f"{doc['metadata']['name']}: {name}/{key} is not in secret.example.yaml"
+                if "secret" in volume:
+                    assert volume["secret"]["secretName"] in secrets
+    # Every file the ConfigMap names (the commented lines too) is a key of the Secret.
+    text = (K8S / "configmap.yaml").read_text()
+    named = set(re.findall(rf"{SECRET_DIR}/([\w.-]+)", text))
+    assert named == secrets["ratchet-secrets"], named ^ secrets["ratchet-secrets"]
+    tls_files = re.findall(r"/etc/ratchet/temporal-tls/([\w.]+)", text)
     assert set(tls_files) == secrets["ratchet-temporal-tls"]
+
+
+def _all_k8s_docs(k8s_docs: list[dict]) -> list[dict]:
+    return k8s_docs + _load_yaml_docs(K8S / "networkpolicy-services.yaml")
+
+
+def test_no_secret_is_an_environment_value_and_each_pod_gets_only_its_files(k8s_docs):
+    """Before: the Ray token and the S3 keys were `secretKeyRef` environment values of every
+    Ray container (shown by the pod spec, inherited by every actor). Now no container takes
+    any environment value from a Secret; the ConfigMap names files; each pod mounts only
+    the keys it needs, read-only, 0440."""
+    config = next(d for d in k8s_docs if d["kind"] == "ConfigMap")["data"]
+    for key, value in config.items():
+        if SECRET_NAME.search(key) or key.endswith("_FILE"):
+            assert NOT_A_SECRET.search(key) and value.startswith(f"{SECRET_DIR}/"), f"ConfigMap: {key}={value}"
+        assert not re.search(r"://[^/\s]*@", value), f"ConfigMap: {key} holds a URL with credentials"
+    for doc in _all_k8s_docs(k8s_docs):
+        for where, container in _containers(doc):
+            for ref in container.get("envFrom", []):
+                assert "secretRef" not in ref, f"{where}: envFrom a Secret"
+            for var in container.get("env", []):
+                assert "secretKeyRef" not in var.get("valueFrom", {}), f"{where}: {var['name']} is a Secret's value in the environment"
+                assert not SECRET_NAME.search(var["name"]) or NOT_A_SECRET.search(var["name"]), f"{where}: {var['name']}"
+        for spec in _pod_spec(doc):
+            for volume in spec.get("volumes", []):
+                if _secret_items(volume):
+                    mode = (volume.get("secret") or volume.get("projected"))["defaultMode"]
+                    assert mode in (0o400, 0o440), f"{doc['metadata']['name']}: {volume['name']} mode {mode:o}"
+    cluster = _raycluster(k8s_docs)
+    groups = dict(_ray_groups(cluster))
+    files = {name: _mounted_secret_files(cluster, g["template"]["spec"]["containers"][0]) for name, g in groups.items()}
+    assert files == {"head": {"ray-auth-token"}, "cpu": {"ray-auth-token", "s3-credentials"}, "gpu": {"ray-auth-token", "s3-credentials"}}
+    worker = next(d for d in k8s_docs if d["metadata"]["name"] == "ratchet-worker")
+    assert _mounted_secret_files(worker, worker["spec"]["template"]["spec"]["containers"][0]) == {
+        "ray-auth-token", "s3-credentials", "payload.key", "registry-url", "temporal-api-key"
+    }  # fmt: skip
+    optional = {key for v in worker["spec"]["template"]["spec"]["volumes"] for _, key, opt in _secret_items(v) if opt}
+    assert optional == {"registry-url", "temporal-api-key"}
+    setup = next(d for d in k8s_docs if d["kind"] == "Job")
+    assert _mounted_secret_files(setup, setup["spec"]["template"]["spec"]["containers"][0]) == set()
+
+
+def test_every_pod_runs_unprivileged(k8s_docs):
+    for doc in k8s_docs:
+        for spec in _pod_spec(doc):
+            pod = spec["securityContext"]
+            where = doc["metadata"]["name"]
+            assert pod["runAsNonRoot"] is True and pod["runAsUser"] == 1000 and pod["fsGroup"] == 1000, where
+            assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            writable = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
+            for container in spec["containers"]:
+                sc = container["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}, where
+                assert sc["readOnlyRootFilesystem"] is True, where
+            assert "/tmp" in writable, f"{where}: a read-only root needs a writable /tmp"
+    config = next(d for d in k8s_docs if d["kind"] == "ConfigMap")["data"]
+    assert config["RATCHET_STATE_DIR"].startswith("/var/lib/ratchet/")  # an emptyDir's subfolder: 0700, not the 0777 mount
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        if expr["operator"] == "In" and labels.get(expr["key"]) not in expr["values"]:
+            return False
+        if expr["operator"] != "In":
+            raise AssertionError(f"operator {expr['operator']}: teach _selects it")
+    return True
+
+
+def _covers(rule: dict, port: int) -> bool:
+    ports = rule.get("ports")
+    return not ports or any(p.get("port") == port or (isinstance(p.get("port"), int) and p["port"] <= port <= p.get("endPort", p["port"])) for p in ports)
+
+
+def _peer_is_ours(peer: dict, namespace: str) -> bool:
+    """A rule's peer is ratchet's pods, or (Temporal, MinIO) the policy's own namespace."""
+    if "ipBlock" in peer:
+        return False
+    ratchet_pods = peer.get("podSelector", {}).get("matchLabels") == {"app.kubernetes.io/part-of": "ratchet"}
+    ns = peer.get("namespaceSelector")
+    if ns is None:  # pods of the policy's own namespace
+        return namespace == "ratchet" and ratchet_pods
+    name = ns.get("matchLabels", {}).get("kubernetes.io/metadata.name")
+    return name == namespace or (name == "ratchet" and ratchet_pods)
+
+
+# (namespace, labels of the pod, port): Temporal's frontend, Ray's head and node ports, MinIO.
+GUARDED_PORTS = [
+    ("temporal", {"app.kubernetes.io/name": "temporal", "app.kubernetes.io/component": "frontend"}, 7233),
+    ("ratchet", {"app.kubernetes.io/name": "ray-head", "app.kubernetes.io/part-of": "ratchet"}, 6379),
+    ("ratchet", {"app.kubernetes.io/name": "ray-head", "app.kubernetes.io/part-of": "ratchet"}, 10001),
+    ("ratchet", {"app.kubernetes.io/name": "ray-head", "app.kubernetes.io/part-of": "ratchet"}, 8265),
+    ("ratchet", {"app.kubernetes.io/name": "ray-worker-cpu", "app.kubernetes.io/part-of": "ratchet"}, 12345),
+    ("ratchet", {"app.kubernetes.io/name": "ray-worker-gpu", "app.kubernetes.io/part-of": "ratchet"}, 10002),
+    ("ratchet", {"app.kubernetes.io/name": "ratchet-worker", "app.kubernetes.io/part-of": "ratchet"}, 40000),
+    ("minio", {"app": "minio"}, 9000),
+]
+
+
+def test_each_service_port_has_a_network_policy_that_admits_only_ratchet(k8s_docs, kv):
+    """Before: no NetworkPolicy: any pod of the cluster could reach Temporal, Ray and MinIO.
+    Now each of those ports is selected by a policy (so the pod is isolated) whose rules for
+    it admit only ratchet's pods (or the service's own namespace); ratchet's namespace
+    denies everything else by default."""
+    policies = [d for d in _all_k8s_docs(k8s_docs) if d["kind"] == "NetworkPolicy"]
+    for policy in _load_yaml_docs(K8S / "networkpolicy-services.yaml"):
+        _validate_core(kv, policy)
+    for namespace, labels, port in GUARDED_PORTS:
+        mine = [p for p in policies if p["metadata"]["namespace"] == namespace and _selects(p["spec"]["podSelector"], labels)]
+        assert mine and all("Ingress" in p["spec"]["policyTypes"] for p in mine), f"{namespace} {labels}: no policy isolates it"
+        rules = [r for p in mine for r in p["spec"].get("ingress", []) if _covers(r, port)]
+        assert rules, f"{namespace} {labels} port {port}: no rule lets ratchet in"
+        for rule in rules:
+            assert rule.get("from"), f"{namespace} port {port}: a rule admits everyone"
+            for peer in rule["from"]:
+                assert _peer_is_ours(peer, namespace), f"{namespace} port {port}: admits {peer}"
+    deny = [p for p in policies if p["metadata"]["namespace"] == "ratchet" and p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
+    assert deny, "namespace ratchet has no default-deny policy"
+    # What the check refuses: any address, every namespace, every pod of namespace ratchet.
+    for peer in ({"ipBlock": {"cidr": "0.0.0.0/0"}}, {"namespaceSelector": {}}, {"podSelector": {}}):
+        assert not _peer_is_ours(peer, "ratchet") and not _peer_is_ours(peer, "temporal"), peer
 
 
 def test_every_ray_container_has_token_auth_and_the_gpu_group_gpus(k8s_docs):
@@ -344,11 +551,11 @@ def test_every_ray_container_has_token_auth_and_the_gpu_group_gpus(k8s_docs):
     assert config["RAY_AUTH_MODE"] == "token"
     cluster = _raycluster(k8s_docs)
     ray_users = [cluster, next(d for d in k8s_docs if d["metadata"]["name"] == "ratchet-worker")]
+    assert config["RAY_AUTH_TOKEN_PATH"] == f"{SECRET_DIR}/ray-auth-token"
     for doc in ray_users:
         for where, container in _containers(doc):
             assert any(r["configMapRef"]["name"] == "ratchet-config" for r in container.get("envFrom", [])), where
-            token = [v for v in container.get("env", []) if v["name"] == "RAY_AUTH_TOKEN"]
-            assert token and token[0]["valueFrom"]["secretKeyRef"]["key"] == "RAY_AUTH_TOKEN", f"{where}: no Ray token"
+            assert "ray-auth-token" in _mounted_secret_files(doc, container), f"{where}: no Ray token file"
     groups = dict(_ray_groups(cluster))
     gpu = groups["gpu"]["template"]["spec"]["containers"][0]
     assert int(gpu["resources"]["limits"]["nvidia.com/gpu"]) >= 1 and gpu["image"].endswith(":cuda")

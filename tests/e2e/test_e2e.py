@@ -104,7 +104,8 @@ def test_history_replays_deterministically(grpo_run, platform):
 
     handle, _ = grpo_run
     history = handle.history()
-    asyncio.run(Replayer(workflows=[TrainingWorkflow]).replay_workflow(history))
+    # The platform's payloads are sealed (payload_codec): replay with the client's converter.
+    asyncio.run(Replayer(workflows=[TrainingWorkflow], data_converter=platform.client._temporal.data_converter).replay_workflow(history))
 
 
 def test_fsdp2_trainer_with_two_ranks(platform):

@@ -167,6 +167,7 @@ def test_fork_starts_a_linked_run_at_the_parents_checkpoint(platform, live_run):
     assert folder_digest(parent_dir) == digest, "the parent's folder is left as it was"
 
     started = child.history().events[0].workflow_execution_started_event_attributes
-    inp = json.loads(started.input.payloads[0].data)
+    # The payload is sealed (payload_codec): opened with the client's converter.
+    [inp] = platform.client._run(platform.client._temporal.data_converter.decode(started.input.payloads))
     assert inp["lineage"]["parent_run_id"] == parent.run_id and inp["lineage"]["parent_checkpoint"] == first.name
     assert inp["resume"]["next_step"] == first.step

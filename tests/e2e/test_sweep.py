@@ -195,7 +195,7 @@ def test_sweep_survives_worker_and_server_restarts(sweep_platform):
     from ratchet.workflows.sweep import SweepWorkflow
 
     history = p.client._run(p.client._temporal.get_workflow_handle(handle.sweep_id).fetch_history())
-    p.client._run(Replayer(workflows=[SweepWorkflow]).replay_workflow(history))
+    p.client._run(Replayer(workflows=[SweepWorkflow], data_converter=p.client._temporal.data_converter).replay_workflow(history))
 
     # The trials are found by their sweep in the Temporal UI's search attributes.
     query = f"ratchet_sweep = '{handle.sweep_id}'"

@@ -41,8 +41,10 @@ class StandIns:
     """Activities under the workflow's names. `fail` maps a name to the exception it raises;
     the names in `block` heartbeat until cancelled (`started[name]` is set when they begin);
     `delay` holds a name's answer back for so many seconds (to let other work overlap it);
-    `answers` replaces a name's answer (a function of its input). `calls` lists every call
-    in the order they started; `log` lists ("start" | "end", name, input) in order."""
+    `answers` replaces a name's answer (a function of its input); `before` maps a name to
+    a coroutine function awaited with the input before it answers (a test holds one call
+    there while it sends a signal, then lets it go). `calls` lists every call in the order
+    they started; `log` lists ("start" | "end", name, input) in order."""
 
     def __init__(
         self,
@@ -51,11 +53,13 @@ class StandIns:
         block: tuple[str, ...] = (),
         delay: dict[str, float] | None = None,
         answers: dict[str, Callable[[Any], Any]] | None = None,
+        before: dict[str, Callable[[Any], Awaitable[None]]] | None = None,
     ):
         self.fail = fail or {}
         self.block = block
         self.delay = delay or {}
         self.answers = answers or {}
+        self.before = before or {}
         self.calls: list[tuple[str, Any]] = []
         self.log: list[tuple[str, str, Any]] = []
         self.started: dict[str, asyncio.Event] = {}
@@ -86,6 +90,7 @@ class StandIns:
             "finish_run": lambda i: t.FinishOutput(final_policy_uri="final"),
             "release_run": lambda i: t.ReleaseOutput(released=[f"{i.run_id}-trainer-0"]),
             "admit_run": lambda i: AdmitOutput(admitted=True),  # the cluster has room at once
+            "evacuate_nodes": lambda i: t.EvacuateOutput(released=[f"{i.run.run_id}-rollout-0"]),
         }
         answers.update(self.answers)
         self._answers = answers
@@ -121,6 +126,7 @@ class StandIns:
             "generate": t.RolloutInput, "score": t.ScoreInput, "train": t.TrainInput, "sync_weights": t.SyncInput,
             "evaluate": t.EvalInput, "checkpoint": t.CheckpointInput, "record_step": t.StepRecord,
             "finish_run": t.FinishInput, "release_run": t.ReleaseInput, "admit_run": AdmitInput,
+            "evacuate_nodes": t.EvacuateInput,
         }[name]  # fmt: skip
         run = self._play(name, answer)
         run.__annotations__ = {"inp": arg_type, "return": Any}
@@ -133,6 +139,8 @@ class StandIns:
             self.calls.append((name, inp))
             self.log.append(("start", name, inp))
             started.set()
+            if name in self.before:
+                await self.before[name](inp)
             if name in self.fail:
                 raise self.fail[name]
             if name in self.block:
@@ -154,7 +162,7 @@ def plan(**overrides) -> t.LoopPlan:
 
 
 def training_input(run_id: str, loop_plan: t.LoopPlan, **fields) -> t.TrainingInput:
-    return t.TrainingInput(run_id=run_id, config={}, plan=loop_plan, **fields)
+    return t.TrainingInput(**{"run_id": run_id, "config": {}, "plan": loop_plan, **fields})
 
 
 @asynccontextmanager

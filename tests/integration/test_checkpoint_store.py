@@ -112,26 +112,34 @@ def test_missing_and_invalid(ckpts, tmp_path):
     assert ckpts.list() == []
 
 
-def test_recommit_hides_the_old_manifest_first(ckpts, tmp_path, monkeypatch):
-    """A retried activity re-commits its step: the old manifest goes before any new byte."""
+def test_recommit_keeps_the_old_checkpoint_until_the_new_manifest(ckpts, tmp_path, monkeypatch):
+    """A retried activity re-commits its step: the new attempt goes to a folder of its own,
+    nothing is deleted before its manifest replaces the old one, then the old files go."""
     first = ckpts.commit("step-000003", make_checkpoint(tmp_path / "a", seed=1), {"step": 3, "try": 1})
+    assert first.attempt == ""  # the first attempt: the plain layout every ratchet reads
     local = make_checkpoint(tmp_path / "b", seed=2)
     (local / "optim" / "rank-0.distcp").unlink()
     (local / "extra.json").write_text("{}")
     events = []
     store = ckpts.store
-    real_delete, real_put = store.delete, store.put_file
+    real_delete, real_put, real_bytes = store.delete, store.put_file, store.put_bytes
     monkeypatch.setattr(store, "delete", lambda key: events.append(("delete", key)) or real_delete(key))
     monkeypatch.setattr(store, "put_file", lambda key, p: events.append(("put", key)) or real_put(key, p))
+    monkeypatch.setattr(store, "put_bytes", lambda key, d: events.append(("put", key)) or real_bytes(key, d))
     second = ckpts.commit("step-000003", local, {"step": 3, "try": 2})
     monkeypatch.undo()
-    assert events[0] == ("delete", f"checkpoints/step-000003/{MANIFEST}") and events[1][0] == "put"
-    assert events[-1] == ("delete", "checkpoints/step-000003/optim/rank-0.distcp")  # not in the new commit
+    manifest_at = events.index(("put", f"checkpoints/step-000003/{MANIFEST}"))
+    assert all(kind == "put" for kind, _ in events[:manifest_at]) and all(kind == "delete" for kind, _ in events[manifest_at + 1 :])
+    assert second.attempt.startswith("attempt-") and all(key.startswith(f"checkpoints/step-000003/{second.attempt}/")
+                                                         for _, key in events[:manifest_at])  # fmt: skip
+    assert ("delete", "checkpoints/step-000003/optim/rank-0.distcp") in events  # the first attempt's files go after
     assert second.meta["try"] == 2 and second.files != first.files and ckpts.list() == [second]
     assert sorted(ckpts.store.list("checkpoints")) == sorted(
-        f"checkpoints/step-000003/{r}" for r in [*tree(local), MANIFEST]
+        [f"checkpoints/step-000003/{second.attempt}/{r}" for r in tree(local)] + [f"checkpoints/step-000003/{MANIFEST}"]
     )
     assert ckpts.verify("step-000003")
+    ckpts.download("step-000003", tmp_path / "back")
+    assert {k: v for k, v in tree(tmp_path / "back").items() if k != MANIFEST} == tree(local)
     (local / MANIFEST).write_text("{}")
     with pytest.raises(ValueError, match="remove it from the folder"):
         ckpts.commit("step-000004", local, {"step": 4})

@@ -110,11 +110,12 @@ def test_checkpoint_from_several_writers_is_sealed_once_all_uploaded(tmp_path):
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
         "trainer/shard-1.safetensors", "trainer/shard-2.safetensors", "trainer/trainer_meta.json",
     ]  # fmt: skip
-    # A retry under the same name that no longer has a file: the old one goes, after the manifest.
-    ckpts.begin("step-00000003")
-    assert ckpts.list() == []
-    info = ckpts.seal("step-00000003", {**uploads[0]}, {"step": 3})
-    assert "trainer/shard-2.safetensors" not in info.files
+    # A retry under the same name that no longer has a file: it writes into an attempt
+    # folder of its own while the committed checkpoint stays; the old files go after the manifest.
+    attempt = ckpts.begin("step-00000003")
+    assert attempt.startswith("attempt-") and ckpts.list() == [info]
+    info = ckpts.seal("step-00000003", ckpts.upload("step-00000003", node0, attempt), {"step": 3}, attempt)
+    assert "trainer/shard-2.safetensors" not in info.files and ckpts.verify("step-00000003")
     assert not any(k.endswith("shard-2.safetensors") for k in ckpts.store.list(RunLayout.CHECKPOINTS))
 
 
@@ -229,6 +230,11 @@ def test_two_ranks_without_a_shared_disk_checkpoint_and_restore_from_the_store(p
         assert ckpts.list() == []
         shutil.rmtree(blocker)
         assert checkpoint(ray_driver, ranks, 1, redo=True) == [None, None]
+        # Taken again once committed (a retried activity): both ranks upload into the attempt
+        # folder rank 0 named, and the new manifest replaces the old one (the restore below
+        # falls back to this one and reads it from there).
+        assert checkpoint(ray_driver, ranks, 1, redo=True) == [None, None]
+        assert ckpts.get("step-00000001").attempt == "attempt-1"
         # Each rank staged under its own node's folder, and cleaned it up.
         for node in nodes:
             assert (node / "staging" / run_id).is_dir() and not any((node / "staging" / run_id).iterdir())

@@ -106,6 +106,7 @@ def test_long_state_dir_uses_short_ray_temp_dir(state_dir):
     assert len(str(ray_tmp)) <= svc.RAY_TEMP_DIR_MAX_LEN
     assert str(ray_tmp).startswith("/tmp/")
     assert ray_head.temp_dir(ServiceSettings(state_dir=long_dir)) == ray_tmp  # stable
+    ray_tmp.parent.rmdir()  # the private folder temp_dir made (Ray has not run in it)
     short = ray_head.temp_dir(ServiceSettings(state_dir=Path(state_dir)))
     assert short == Path(state_dir) / "ray"
 

@@ -1,7 +1,8 @@
 """The Temporal UI as the run's window, on the real platform (`ratchet up`'s dev server with
 its UI, Ray, a `ratchet worker`): a short real run is found by its search attributes, and
 headless Chromium renders its workflow page with the run's summary, details, current
-details and an activity summary on every activity.
+details and an activity summary on every activity. The payloads are sealed with ratchet's
+key (platform/payload_codec.py); the UI reads them through `up`'s codec server.
 
 The screenshots are kept as test artifacts under $RATCHET_TEST_ARTIFACTS (default
 `.ratchet/test-artifacts/`, git-ignored): `temporal_ui_run.png` (the workflow page and its
@@ -166,6 +167,64 @@ def test_ui_shows_the_search_attributes(ui_run):
         assert name in text, name
     assert ui_run["experiment"] in text and "completed" in text
     assert png.stat().st_size > 20_000
+
+
+def test_ui_decodes_the_sealed_payloads_the_server_keeps(ui_run, platform):
+    """The payloads are sealed with ratchet's key (payload_codec): the server's own history
+    (`temporal workflow show`, no codec) holds no config, while the UI's page, which `up`
+    pointed at its codec server, shows the run's input readably (a config key and the
+    run's storage folder)."""
+    import sys
+
+    from ratchet.platform.services import temporal_address
+
+    run_id, root = ui_run["handle"].run_id, str(platform.runs_root)
+    raw = subprocess.run(
+        [str(Path(sys.executable).parent / "temporal"), "workflow", "show", "--workflow-id", run_id, "--output", "json",
+         "--address", temporal_address(platform.settings), "--namespace", "default"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert raw.returncode == 0, raw.stderr
+    assert "binary/encrypted" in raw.stdout or "YmluYXJ5L2VuY3J5cHRlZA" in raw.stdout  # the encoding, maybe base64
+    assert root not in raw.stdout and "adv_estimator" not in raw.stdout
+    dom, _ = ui_run["shots"]["run"]
+    text = html.unescape(dom)
+    assert "adv_estimator" in text and root in text
+
+
+def test_up_runs_the_uis_codec_server(platform):
+    """`up` recorded the codec server inside Temporal's entry, started the dev server with
+    `--ui-codec-endpoint` pointing at it (127.0.0.1), `status` shows it; it refuses to
+    encode; killed, the next `up` starts it again on the same port (the UI points there)."""
+    import json
+    import signal
+    import urllib.error
+    import urllib.request
+
+    from ratchet.platform.services import processes, status, up
+    from ratchet.platform.services.codec_server import healthy, url
+
+    def recorded() -> dict:
+        return json.loads((Path(platform.settings.state_dir) / "services.json").read_text())["services"]["temporal"]
+
+    rec = recorded()
+    codec = rec["codec_server"]
+    assert codec["host"] == "127.0.0.1" and healthy(codec)
+    assert rec["cmd"][rec["cmd"].index("--ui-codec-endpoint") + 1] == url(codec) == rec["ui_codec_endpoint"]
+    shown = status(platform.settings).codec_server
+    assert shown is not None and shown.running and shown.address == url(codec)
+    req = urllib.request.Request(url(codec) + "/encode", data=b'{"payloads": []}', method="POST", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 403
+
+    os.kill(codec["pid"], signal.SIGKILL)
+    processes.wait_gone([codec["pid"]], 30)
+    assert not healthy(codec)
+    up(platform.settings)
+    again = recorded()["codec_server"]
+    assert healthy(again) and again["port"] == codec["port"] and again["pid"] != codec["pid"]
+    assert recorded()["pid"] == rec["pid"]  # Temporal itself was left running
 
 
 def test_ratchet_runs_where(ui_run, platform):

@@ -1,9 +1,11 @@
-"""`ratchet up` starts Ray with token authentication.
+"""`ratchet up` starts Ray with token authentication, and keeps its state private.
 
 Ray binds its GCS, raylet, worker and agent ports beyond loopback whatever
 `--node-ip-address` says, so the token is what keeps other machines (and other users)
-out. A real `up()` on free ports under a short state dir in /tmp; every probe addresses
-127.0.0.1 only.
+out. A real `up()` on free ports under a short state dir in /tmp. Every listener of the
+head's processes is probed by connecting without the token (before, the test only read
+each process's environment and probed the GCS alone); a probe addresses 127.0.0.1, or a
+listener's own address on this machine, never another.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -58,8 +61,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(code: str, address: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, address], env=env, capture_output=True, text=True, timeout=120)
+def _run(code: str, address: str, env: dict[str, str], umask: int = -1) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, address], env=env, capture_output=True, text=True, timeout=120, umask=umask)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,8 @@ def head():
             mp.delenv(var, raising=False)
         try:
             svc.up(settings)
-            out = _run(ACTOR, f"127.0.0.1:{r}", _clean_env(**svc.ray_auth_env(settings)))
+            # The driver runs as ratchet's worker does (umask 077: platform/worker.py).
+            out = _run(ACTOR, f"127.0.0.1:{r}", _clean_env(**svc.ray_auth_env(settings)), umask=0o077)
             assert out.returncode == 0 and out.stdout.split()[-1] == "7", out.stderr[-2000:]
             yield settings
         finally:
@@ -96,19 +100,6 @@ def _session_procs(sid: int) -> list[psutil.Process]:
     return out
 
 
-def _auth_vars(proc: psutil.Process, members: set[int]) -> dict[str, str]:
-    """RAY_AUTH_* of `proc`. Ray's Python processes write their process title over the
-    start of their environment block (it reads back as empty entries); for those, the
-    variables of the session ancestor they inherited them from."""
-    raw = Path(f"/proc/{proc.pid}/environ").read_bytes()
-    entries = raw.split(b"\0")
-    if entries and entries[0]:
-        return {k: v for k, _, v in (e.decode(errors="replace").partition("=") for e in entries) if k in AUTH_VARS}
-    parent = proc.parent()
-    assert parent is not None and parent.pid in members, f"{proc.name()} ({proc.pid}): environment unreadable, no parent in the session"
-    return _auth_vars(parent, members)
-
-
 def _listening(settings: ServiceSettings) -> list[tuple[psutil.Process, str, int]]:
     procs = _session_procs(_ray_record(settings)["sid"])
     out = []
@@ -119,28 +110,160 @@ def _listening(settings: ServiceSettings) -> list[tuple[psutil.Process, str, int
     return out
 
 
+def _still_listens(proc: psutil.Process, port: int) -> bool:
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections(kind="inet"))
+    except psutil.Error:
+        return False
+
+
+def _own_addresses() -> set[str]:
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)}
+
+
+def _probe_address(ip: str, port: int) -> str:
+    """Where to reach a listener without leaving this machine: 127.0.0.1 for one on every
+    interface, else its own address, which must be one of this machine's."""
+    ip = ip.removeprefix("::ffff:")
+    if ip in ("0.0.0.0", "::"):
+        ip = "127.0.0.1"
+    assert ip in _own_addresses(), f"listener on {ip}:{port} is not an address of this machine: not probed"
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+# One method of each gRPC service a Ray process serves (read-only where it matters: the
+# control call with the token runs it). A request without the token must fail with
+# UNAUTHENTICATED on the service the port serves; the others answer UNIMPLEMENTED, which
+# is how the probe tells which service a port is.
+GRPC_PROBES = {
+    "ray.rpc.NodeInfoGcsService": "GetAllNodeInfo",  # the GCS
+    "ray.rpc.NodeManagerService": "GetNodeStats",  # the raylet's node manager port
+    "ray.rpc.ObjectManagerService": "Pull",  # the raylet's object manager port (never called with the token)
+    "ray.rpc.CoreWorkerService": "NumPendingTasks",  # each worker's (and driver's) own port
+    "ray.rpc.RayletDriver": "ClusterInfo",  # the Ray Client server (ray://, 10001)
+}
+READ_ONLY = ("ray.rpc.NodeInfoGcsService", "ray.rpc.NodeManagerService", "ray.rpc.CoreWorkerService")
+
+
+def _grpc(address: str, method: str, token: str | None = None) -> str:
+    """The status name of an empty-request call (raw bytes: no Ray stubs needed)."""
+    import grpc
+
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    with grpc.insecure_channel(address) as channel:
+        try:
+            channel.unary_unary(method)(b"", timeout=20, metadata=metadata)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return "OK"
+
+
+def _http(address: str, method: str = "GET", token: str | None = None) -> tuple[int | str, bytes]:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(f"http://{address}/", method=method, data=b"" if method == "POST" else None, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=20) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except OSError as exc:  # not HTTP at all (a gRPC port answers with binary frames)
+        return type(exc).__name__, b""
+
+
+def _what_refuses(address: str) -> tuple[str, dict[str, str]]:
+    """(what the listener is, as the probe found it; the gRPC answers without a token)."""
+    codes = {service: _grpc(address, f"/{service}/{method}") for service, method in GRPC_PROBES.items()}
+    refused = [service for service, code in codes.items() if code == "UNAUTHENTICATED"]
+    if refused:
+        return "grpc " + ",".join(refused), codes
+    if all(code == "UNAVAILABLE" for code in codes.values()):  # not HTTP/2: try HTTP/1
+        status, _ = _http(address)
+        return f"http {status}", codes
+    return "unknown", codes
+
+
 # --------------------------------------------------------------------------- integration
 
 
 @pytest.mark.integration
-def test_every_port_beyond_loopback_belongs_to_a_process_with_token_auth(head):
+def test_every_ray_listener_refuses_a_request_without_the_token(head):
+    """Each TCP port a process of the head's session listens on is probed without the
+    token (at 127.0.0.1 or the port's own address on this machine, nowhere else): the GCS,
+    the raylet's node manager and object manager ports and the actor's worker port answer
+    UNAUTHENTICATED, the runtime-env agent's HTTP port 401, the Ray Client server (when
+    its fixed port 10001 was free) UNAUTHENTICATED. The one port that takes no token is
+    the autoscaler's Prometheus metrics (fixed port 44217, when free): read-only text, no
+    secret in it, every other method refused. With the token the same calls pass, so
+    the probe reaches each service."""
     settings = head
+    token = svc.ray_token_path(settings).read_text().strip()
+    found: dict[str, str] = {}
+    for proc, ip, port in _listening(settings):
+        cmd = ""
+        address = _probe_address(ip, port)
+        what, codes = _what_refuses(address)
+        assert "OK" not in codes.values(), f"{proc.name()} at {address} answered without the token: {codes}"
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(proc.cmdline())
+        if what.startswith("grpc "):
+            for service in what[5:].split(","):
+                found[service] = address
+                if service in READ_ONLY:  # the control: the token is what made the difference
+                    ok = _grpc(address, f"/{service}/{GRPC_PROBES[service]}", token)
+                    assert ok == "OK", f"{service} at {address} with the token: {ok}"
+        elif what == "http 401":
+            assert "RuntimeEnvAgent" in cmd or "runtime_env" in cmd, f"{proc.name()} at {address}: {cmd}"
+            found["runtime env agent (http)"] = address
+            assert _http(address, "POST")[0] == 401
+            assert _http(address, token=token)[0] != 401  # the control
+        elif what == "http 200" and "autoscaler/_private/monitor.py" in cmd:
+            status, body = _http(address)
+            lines = [line for line in body.decode().splitlines() if line]
+            assert all(line.startswith(("#", "autoscaler_")) for line in lines), lines[:5]
+            assert token.encode() not in body
+            assert _http(address, "POST")[0] == 405
+            found["autoscaler metrics (http, read-only)"] = address
+        elif not _still_listens(proc, port):
+            continue  # the process closed the port meanwhile (nothing left to probe)
+        else:
+            pytest.fail(f"{proc.name()} ({cmd[:200]}) listens on {ip}:{port}: {what} {codes}; find out what it is")
+    needed = {"ray.rpc.NodeInfoGcsService", "ray.rpc.NodeManagerService", "ray.rpc.ObjectManagerService", "ray.rpc.CoreWorkerService", "runtime env agent (http)"}
+    assert needed <= found.keys(), found
+    assert found["ray.rpc.NodeInfoGcsService"].endswith(f":{settings.ray_port}")
     rec = _ray_record(settings)
-    members = {p.pid for p in _session_procs(rec["sid"])}
-    listening = _listening(settings)
-    names = {p.name() for p, _, _ in listening}
-    assert "gcs_server" in names and "raylet" in names, listening
-    assert any(port == settings.ray_port for _, _, port in listening)
     token_path = str(svc.ray_token_path(settings))
-    for proc, ip, port in listening:
-        if ip in LOOPBACK:
-            continue
-        auth = _auth_vars(proc, members)
-        assert auth.get("RAY_AUTH_MODE") == "token", f"{proc.name()} listens on {ip}:{port} without token auth: {auth}"
-        assert auth.get("RAY_AUTH_TOKEN_PATH") == token_path, (proc.name(), auth)
     assert rec["auth_mode"] == "token" and rec["auth_token_path"] == token_path
     st = svc.status(settings)
     assert (st.ray_auth_mode, st.ray_auth_token_path) == ("token", token_path)
+
+
+@pytest.mark.integration
+def test_state_folder_is_closed_to_other_users(head):
+    """After `up()` (Temporal, Ray, an actor): the state folder is 0700 and yours, and
+    nothing ratchet or the services made in it has a group or other bit: services.json,
+    the lock, the token, the logs, Temporal's database, runs/. Ray makes its temp folder
+    and session folders 0777 on purpose (to share them between users); they sit inside
+    the 0700 state folder, so nobody else reaches them, and every file in them is 0600."""
+    settings = head
+    st = os.stat(settings.state_dir)
+    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+    ray_dir = settings.state_dir / "ray"
+    open_to_others, seen = [], set()
+    for root, dirs, files in os.walk(settings.state_dir):
+        for name in dirs + files:
+            path = Path(root) / name
+            mode = os.lstat(path).st_mode
+            seen.add(path.relative_to(settings.state_dir).parts[0])
+            if stat.S_ISLNK(mode) or (path.is_relative_to(ray_dir) and stat.S_ISDIR(mode)):
+                continue
+            if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+                if mode & 0o077:
+                    open_to_others.append(f"{stat.S_IMODE(mode):o} {path}")
+    assert open_to_others == []
+    assert {"services.json", "ray_auth_token", "logs", "temporal.db", "runs", "ray"} <= seen, seen
 
 
 @pytest.mark.integration

@@ -96,13 +96,17 @@ def _runner(**config) -> CodeRunner:
     return CodeRunner({"timeout_s": 5.0, "cpu_s": 2, "memory_mb": 256, "max_output_chars": 200, **config})
 
 
-def test_code_runner_runs_python_in_a_private_folder():
+def test_code_runner_runs_python_in_a_private_folder(monkeypatch):
+    monkeypatch.setenv("RATCHET_TEST_SECRET", "s3cr3t-in-the-worker")
     runner = _runner()
     out = runner({"code": "import os\nprint(6 * 7)\nprint(sorted(os.listdir('.')))"})
-    assert out.splitlines() == ["42", "['main.py', 'output.txt']"]
+    assert out.splitlines() == ["42", "['main.py']"]
     assert "ZeroDivisionError" in runner({"code": "1/0"}) and runner({"code": "1/0"}).endswith("[exit code 1]")
-    # No inherited secrets: the environment is PATH and a locale only.
+    # No inherited secrets: the environment is PATH and a locale only, and the worker's own
+    # environment is out of reach (tests/security/test_code_sandbox.py tries the rest).
     assert runner({"code": "import os; print(sorted(os.environ))"}).strip() == "['HOME', 'LANG', 'PATH', 'TMPDIR']"
+    parent = runner({"code": "import os\ntry:\n    print(open(f'/proc/{os.getppid()}/environ').read())\nexcept OSError as e:\n    print(e)"})
+    assert "s3cr3t-in-the-worker" not in parent
 
 
 def test_code_runner_wall_clock_limit_kills_the_process():
@@ -189,7 +193,7 @@ def test_verl_tool_config_file_is_read(tmp_path):
                 description: arithmetic
                 parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}
           - class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool
-            config: {type: native, memory_mb: 128}
+            config: {type: native, sandbox_fusion_url: "http://127.0.0.1:8080", memory_limit_mb: 128}
             tool_schema:
               type: function
               function: {name: code_interpreter, parameters: {type: object, properties: {code: {type: string}}, required: [code]}}
@@ -198,7 +202,9 @@ def test_verl_tool_config_file_is_read(tmp_path):
     assert [s.name for s in specs] == ["calc", "code_interpreter"] and specs[0].config == {"timeout_s": 3}
     tools = build_tools(specs)
     assert sorted(tools) == ["calc", "code_interpreter"] and tools["calc"].timeout_s == 3
-    assert type(tools["code_interpreter"]).__name__ == "CodeRunner" and tools["code_interpreter"].config["memory_mb"] == 128
+    code = tools["code_interpreter"]
+    assert type(code).__name__ == "SandboxFusionTool" and code.config["memory_limit_mb"] == 128
+    assert code.url == "http://127.0.0.1:8080/run_code"
 
 
 def test_a_tool_of_your_own_by_file_path(tmp_path):

@@ -37,6 +37,20 @@ MAX_SEED = 2**32 - 1  # numpy's seed range too (checkpointing.enable_determinism
 MAX_STEPS = 10**9
 MAX_SAMPLING_ROUNDS = 100  # < 101, the multiplier that keeps per-part seeds distinct
 
+# Upper bounds of the other numbers: none is ever needed by a real run, and each keeps a
+# typo (`trainer.ppo_epochs=10**9`, `trainer.lr=1e300`) from passing the checks at submit
+# and for live changes (config/live_keys.py validates through these same fields) to hang
+# a run in one update or turn its weights to inf. Each field's description says why.
+MAX_TOKENS = 2**21  # twice the longest context open models serve (about 1M tokens)
+MAX_SEQUENCES = 2**20  # prompts, samples or sequences in one batch: more than any cluster holds in one step
+MAX_LR = 1.0  # an Adam step of lr per parameter: above 1 the first step destroys any model
+MAX_EPOCHS = 100  # passes over one batch (PPO uses 1-4); more only overfits it
+MAX_WEIGHT = 1e6  # loss weights, reward weights, budgets, caps and thresholds: far above any useful one
+MAX_CPUS = 65536.0  # Ray CPUs of one actor or node: more than any machine has
+MAX_GPUS = 64  # GPUs of one engine (tensor parallel) or one node
+MAX_RANKS = 4096  # trainer ranks: more GPUs than one model has been trained on
+MAX_BUCKET_MB = 65536.0  # megabytes in one weight-sync bucket: more than any GPU's memory
+
 UnitInterval = Annotated[float, Field(ge=0, lt=1)]
 
 
@@ -89,8 +103,13 @@ class DataConfig(Section):
     )
     eval_files: str | None = Field(None, description="Held-out prompts for greedy evaluation, in any format of train_files.")
     prompt_key: str = Field("prompt", description="Column holding each prompt: chat messages or a plain string.")
-    max_prompt_length: int = Field(64, gt=0, description="Prompts longer than this (in tokens) are an error.")
-    eval_size: int = Field(64, gt=0, description="How many eval prompts to score at each evaluation (the first ones, in file order).")
+    max_prompt_length: int = Field(
+        64, gt=0, le=MAX_TOKENS, description="Prompts longer than this (in tokens) are an error; at most 2**21, twice the longest context models serve."
+    )
+    eval_size: int = Field(
+        64, gt=0, le=MAX_SEQUENCES,
+        description="How many eval prompts to score at each evaluation (the first ones, in file order); at most 2**20.",
+    )  # fmt: skip
     prompt_format: Literal["auto", "chat", "raw"] = Field(
         "auto",
         description="How prompts become tokens: chat renders them with the tokenizer's chat template (a plain string is "
@@ -107,17 +126,20 @@ class VLLMOptions(Section):
     """rollout.vllm: how the vLLM engine is started (rollout.engine=vllm; workers/engines/vllm.py)."""
 
     max_model_len: int | None = Field(
-        None, gt=0, description="Longest prompt plus response vLLM serves; null: data.max_prompt_length + rollout.max_response_length."
-    )
+        None, gt=0, le=MAX_TOKENS,
+        description="Longest prompt plus response vLLM serves (at most 2**21); null: data.max_prompt_length + rollout.max_response_length.",
+    )  # fmt: skip
     kv_cache_bytes: int | None = Field(
         None,
         gt=0,
-        description="Bytes of KV cache; null: 64 MiB on a CPU, and on a GPU what gpu_memory_utilization leaves after the weights.",
+        le=2**46,
+        description="Bytes of KV cache, at most 2**46 (64 TiB, more than 64 GPUs hold); null: 64 MiB on a CPU, and on a GPU "
+        "what gpu_memory_utilization leaves after the weights.",
     )
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="Fraction of the GPU's memory vLLM may take (weights and KV cache) when kv_cache_bytes is null."
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over (tensor parallel).")
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS, description="GPUs one engine shards the model over (tensor parallel), at most 64.")
     enable_prefix_caching: bool = Field(True, description="Compute a prompt shared by a group's n samples once.")
     sleep_mode: bool = Field(
         True, description="On a GPU, let a colocated engine free its memory while the trainer runs (vLLM sleep mode)."
@@ -128,13 +150,15 @@ class SGLangOptions(Section):
     """rollout.sglang: how the SGLang engine is started (rollout.engine=sglang; CUDA only; workers/engines/sglang.py)."""
 
     max_model_len: int | None = Field(
-        None, gt=0, description="SGLang's context_length; null: data.max_prompt_length + rollout.max_response_length."
+        None, gt=0, le=MAX_TOKENS, description="SGLang's context_length (at most 2**21); null: data.max_prompt_length + rollout.max_response_length."
     )
     mem_fraction_static: float = Field(0.5, gt=0, lt=1, description="Fraction of the GPU's memory for weights and KV cache.")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over (SGLang's tp_size).")
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS, description="GPUs one engine shards the model over (SGLang's tp_size), at most 64.")
     weight_bucket_mb: float = Field(
-        256.0, gt=0, description="Weight updates go to the engine in calls of at most this many megabytes (one tensor may exceed it)."
-    )
+        256.0, gt=0, le=MAX_BUCKET_MB,
+        description="Weight updates go to the engine in calls of at most this many megabytes (one tensor may exceed it); at "
+        "most 65536, more than a GPU's memory.",
+    )  # fmt: skip
 
 
 class MultiTurnConfig(Section):
@@ -144,7 +168,7 @@ class MultiTurnConfig(Section):
     enabled: bool = Field(False, description="Roll out conversations with tool calls instead of single responses.")
     max_turns: int = Field(4, ge=1, le=64, description="Most model turns per conversation (a call in the last one is not run).")
     max_tool_response_tokens: int = Field(
-        64, gt=0, description="A tool's answer is cut to this many tokens before it joins the conversation."
+        64, gt=0, le=MAX_TOKENS, description="A tool's answer is cut to this many tokens before it joins the conversation (at most 2**21)."
     )
     format: Literal["hermes", "words"] = Field(
         "hermes",
@@ -195,14 +219,14 @@ class RolloutConfig(Section):
     engine: str = Field("hf", description=f"Generation engine, by registered name: {', '.join(ENGINES.names())}.")
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="Options of the vLLM engine.")
     sglang: SGLangOptions = Field(default_factory=SGLangOptions, description="Options of the SGLang engine.")
-    n: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+    n: int = Field(8, ge=1, le=1024, description="Samples per prompt (the GRPO group size; 4-64 in practice, at most 1024).")
     replicas: int = Field(
         1, ge=1, le=1024, description="Engine replicas (data parallel): a batch's prompts are spread over them by load, a "
         "prompt's n samples on one replica; the batch is the same as one engine's (workers/actors/rollout_pool.py)."
     )
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature; at most 100 (above ~10 sampling is already uniform noise).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    max_response_length: int = Field(16, gt=0, description="Maximum new tokens per sample.")
+    max_response_length: int = Field(16, gt=0, le=MAX_TOKENS, description="Maximum new tokens per sample (at most 2**21).")
     partial_rollout: bool = Field(
         True,
         description="fully_async only: a weight sync lands between two decode steps of a generation in flight, which "
@@ -239,11 +263,15 @@ class RewardConfig(Section):
         description="Rule-based reward as 'module:function' or 'path/to/file.py:function', with verl's signature "
         "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict; null for none.",
     )
-    function_weight: float = Field(1.0, description="Weight of the rule-based reward in the mix.")
+    function_weight: float = Field(
+        1.0, ge=-MAX_WEIGHT, le=MAX_WEIGHT, description="Weight of the rule-based reward in the mix (within +-1e6: larger overflows the advantages)."
+    )
     model_path: str | None = Field(
         None, description="Folder of a reward model (AutoModelForSequenceClassification, one label); null for none."
     )
-    model_weight: float = Field(1.0, description="Weight of the reward model's score in the mix.")
+    model_weight: float = Field(
+        1.0, ge=-MAX_WEIGHT, le=MAX_WEIGHT, description="Weight of the reward model's score in the mix (within +-1e6)."
+    )
     timeout_s: float = Field(
         300.0,
         gt=0,
@@ -261,10 +289,15 @@ class RewardConfig(Section):
 
 class KLConfig(Section):
     type: str = Field("low_var_kl", description="KL estimator: k1, abs, mse|k2, low_var_kl|k3, and '+' straight-through variants.")
-    coef: float = Field(0.0, ge=0, description="KL weight (initial weight when adaptive); 0 disables the reference model.")
+    coef: float = Field(
+        0.0, ge=0, le=100, description="KL weight (initial weight when adaptive); 0 disables the reference model. At most 100 "
+        "(0.001-0.1 in practice): beyond it the policy cannot move."
+    )
     in_reward: bool = Field(False, description="Subtract coef * KL from the token rewards instead of adding a loss term.")
-    target: float | None = Field(None, gt=0, description="Target KL per token for the adaptive controller; null keeps coef fixed.")
-    horizon: int = Field(10000, gt=0, description="Adaptive controller horizon in samples (Ziegler et al., 2019).")
+    target: float | None = Field(
+        None, gt=0, le=100, description="Target KL per token for the adaptive controller (at most 100 nats); null keeps coef fixed."
+    )
+    horizon: int = Field(10000, gt=0, le=10**12, description="Adaptive controller horizon in samples (Ziegler et al., 2019); at most 1e12.")
 
     @field_validator("type")
     @classmethod
@@ -286,8 +319,12 @@ class ISWeightsConfig(Section):
     kind: Literal["truncate", "icepop"] = Field(
         "truncate", description="truncate: clamp into [low, high] (TIS); icepop: weight 0 outside [low, high] (IcePop, Ring-1T)."
     )
-    low: float | None = Field(None, gt=0, description="Lower bound on the weight; null: none (truncate only; icepop needs it, e.g. 0.5).")
-    high: float | None = Field(2.0, gt=0, description="Upper bound on the weight (TIS e.g. 2.0; IcePop's paper 5.0).")
+    low: float | None = Field(
+        None, gt=0, le=MAX_WEIGHT, description="Lower bound on the weight; null: none (truncate only; icepop needs it, e.g. 0.5)."
+    )
+    high: float | None = Field(
+        2.0, gt=0, le=MAX_WEIGHT, description="Upper bound on the weight (TIS e.g. 2.0; IcePop's paper 5.0); at most 1e6."
+    )
     batch_normalize: bool = Field(False, description="Divide the weights by their batch mean (over kept tokens, or sequences at sequence levels).")
 
     @model_validator(mode="after")
@@ -305,8 +342,8 @@ class RejectionCriterionConfig(Section):
     level: Literal["token", "seq_sum", "seq_mean", "seq_max"] = Field(
         "token", description="token drops tokens; seq_sum/seq_mean/seq_max aggregate over the sequence and drop it whole (ratio: product, geometric mean)."
     )
-    low: float | None = Field(None, ge=0, description="Keep only what is >= low; null: no lower bound.")
-    high: float | None = Field(None, ge=0, description="Keep only what is <= high; null: no upper bound.")
+    low: float | None = Field(None, ge=0, le=MAX_WEIGHT, description="Keep only what is >= low (at most 1e6); null: no lower bound.")
+    high: float | None = Field(None, ge=0, le=MAX_WEIGHT, description="Keep only what is <= high (at most 1e6); null: no upper bound.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "RejectionCriterionConfig":
@@ -316,7 +353,7 @@ class RejectionCriterionConfig(Section):
 
 class OffPolicyConfig(Section):
     mode: str = Field("none", description="Correction for samples from an older policy: none, tis, decoupled, bypass, rejection.")
-    cap: float = Field(2.0, gt=1, description="Importance-weight cap (truncation, masking or rejection threshold).")
+    cap: float = Field(2.0, gt=1, le=MAX_WEIGHT, description="Importance-weight cap (truncation, masking or rejection threshold); at most 1e6.")
     level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="Importance weights per token, per sequence (product), or per sequence (geometric mean)."
     )
@@ -341,8 +378,10 @@ class OffPolicyConfig(Section):
 
 
 class OverlongConfig(Section):
-    buffer_len: int = Field(0, ge=0, description="DAPO soft overlong penalty: the last buffer_len tokens before the limit; 0 disables.")
-    penalty_factor: float = Field(1.0, ge=0, description="Penalty at the length limit.")
+    buffer_len: int = Field(
+        0, ge=0, le=MAX_TOKENS, description="DAPO soft overlong penalty: the last buffer_len tokens before the limit; 0 disables."
+    )
+    penalty_factor: float = Field(1.0, ge=0, le=MAX_WEIGHT, description="Penalty at the length limit (at most 1e6, rewards are about 1).")
 
 
 class AlgorithmConfig(Section):
@@ -351,27 +390,49 @@ class AlgorithmConfig(Section):
     gamma: float = Field(1.0, ge=0, le=1, description="Discount (GAE, REINFORCE++).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     policy_loss: str = Field("ppo_clip", description="Policy loss, by registered name.")
-    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound is 1 - clip_ratio_low.")
-    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound is 1 + clip_ratio_high (DAPO clip-higher).")
-    clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip constant for negative advantages (dual_clip loss).")
-    # The rest of verl's catalogue (docs/algorithms.md); defaults are verl's.
-    sapo_tau_pos: float = Field(1.0, gt=0, description="sapo loss: gate temperature for tokens with A > 0 (verl actor.tau_pos).")
-    sapo_tau_neg: float = Field(1.05, gt=0, description="sapo loss: gate temperature for tokens with A <= 0 (verl actor.tau_neg).")
-    dro_beta: float = Field(0.1, gt=0, description="dro loss: weight beta of the quadratic penalty (beta/2)(log pi - log pi_old)^2.")
-    dppo_is_cap: float = Field(
-        20.0, gt=0, description="dppo_tv / dppo_kl losses: truncation cap of the IS weight (verl reads clip_ratio_c, falling back to 20)."
+    clip_ratio_low: float = Field(
+        0.2, ge=0, le=1, description="PPO clip: lower bound is 1 - clip_ratio_low; at most 1 (a ratio is never below 0)."
     )
+    clip_ratio_high: float = Field(
+        0.2, ge=0, le=MAX_WEIGHT, description="PPO clip: upper bound is 1 + clip_ratio_high (DAPO clip-higher); at most 1e6."
+    )
+    clip_ratio_c: float = Field(
+        3.0, gt=1, le=MAX_WEIGHT, description="Dual-clip constant for negative advantages (dual_clip loss); at most 1e6."
+    )
+    # The rest of verl's catalogue (docs/algorithms.md); defaults are verl's.
+    # Loss weights, temperatures and caps: at most 1e6 (MAX_WEIGHT), far above any useful value.
+    sapo_tau_pos: float = Field(
+        1.0, gt=0, le=MAX_WEIGHT, description="sapo loss: gate temperature for tokens with A > 0 (verl actor.tau_pos)."
+    )
+    sapo_tau_neg: float = Field(
+        1.05, gt=0, le=MAX_WEIGHT, description="sapo loss: gate temperature for tokens with A <= 0 (verl actor.tau_neg)."
+    )
+    dro_beta: float = Field(
+        0.1, gt=0, le=MAX_WEIGHT, description="dro loss: weight beta of the quadratic penalty (beta/2)(log pi - log pi_old)^2."
+    )
+    dppo_is_cap: float = Field(
+        20.0, gt=0, le=MAX_WEIGHT,
+        description="dppo_tv / dppo_kl losses: truncation cap of the IS weight (verl reads clip_ratio_c, falling back to 20).",
+    )  # fmt: skip
     clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="clip_cov loss: fraction of the micro-batch's tokens whose gradient is cut.")
-    clip_cov_lb: float = Field(1.0, description="clip_cov loss: a token is a candidate when its covariance is above this...")
-    clip_cov_ub: float = Field(5.0, description="clip_cov loss: ...and below this.")
+    clip_cov_lb: float = Field(
+        1.0, ge=-MAX_WEIGHT, le=MAX_WEIGHT, description="clip_cov loss: a token is a candidate when its covariance is above this..."
+    )
+    clip_cov_ub: float = Field(5.0, ge=-MAX_WEIGHT, le=MAX_WEIGHT, description="clip_cov loss: ...and below this (both within +-1e6).")
     kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="kl_cov loss: fraction of the micro-batch's tokens given the KL penalty.")
-    kl_cov_coef: float = Field(0.1, ge=0, description="kl_cov loss: weight of the |log r| penalty (verl policy_loss.ppo_kl_coef).")
-    reinforce_is_cap: float = Field(2.0, gt=0, description="reinforce_is loss: truncation cap of the IS weight (verl rollout_is_threshold).")
+    kl_cov_coef: float = Field(
+        0.1, ge=0, le=MAX_WEIGHT, description="kl_cov loss: weight of the |log r| penalty (verl policy_loss.ppo_kl_coef)."
+    )
+    reinforce_is_cap: float = Field(
+        2.0, gt=0, le=MAX_WEIGHT, description="reinforce_is loss: truncation cap of the IS weight (verl rollout_is_threshold)."
+    )
     reinforce_is_level: Literal["token", "sequence"] = Field(
         "token", description="reinforce_is loss: IS weight per token, or one per sequence (product of the token ratios)."
     )
     loss_agg_mode: str = Field("token-mean", description="How token losses become one number, by registered name.")
-    entropy_coeff: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    entropy_coeff: float = Field(
+        0.0, ge=0, le=100, description="Weight of the entropy bonus; at most 100 (1e-3 in practice: beyond it the bonus is all the loss)."
+    )
     kl: KLConfig = Field(default_factory=KLConfig)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards all agree and refill with new prompts.")
@@ -407,12 +468,13 @@ class AlgorithmConfig(Section):
 
 class CriticConfig(Section):
     model_path: str | None = Field(None, description="Backbone of the critic (a causal LM folder); null uses model.path.")
-    lr: float = Field(1e-3, gt=0, description="Critic learning rate.")
-    cliprange_value: float = Field(0.5, gt=0, description="Value clipping range around the old values.")
-    ppo_epochs: int = Field(1, ge=1, description="Critic passes over each batch.")
+    lr: float = Field(1e-3, gt=0, le=MAX_LR, description="Critic learning rate; at most 1 (an Adam step of lr per weight).")
+    cliprange_value: float = Field(0.5, gt=0, le=MAX_WEIGHT, description="Value clipping range around the old values; at most 1e6.")
+    ppo_epochs: int = Field(1, ge=1, le=MAX_EPOCHS, description="Critic passes over each batch; at most 100.")
     warmup_steps: int = Field(
-        0, ge=0, description="verl's critic_warmup: the first warmup_steps updates train the critic only (the policy stays as it is)."
-    )
+        0, ge=0, le=MAX_STEPS,
+        description="verl's critic_warmup: the first warmup_steps updates train the critic only (the policy stays as it is).",
+    )  # fmt: skip
 
 
 class SafetyConfig(Section):
@@ -427,10 +489,13 @@ class SafetyConfig(Section):
     cost_model_path: str | None = Field(
         None, description="Folder of a cost model (AutoModelForSequenceClassification, one label; higher is less safe); null for none."
     )
-    budget: float = Field(0.0, description="The cost limit d: the multiplier rises while the batch's mean cost exceeds it.")
-    lambda_init: float = Field(1.0, ge=0, description="Initial Lagrange multiplier (> 0 with lambda_update=log).")
-    lambda_lr: float = Field(0.1, ge=0, description="Step size of the multiplier's update (0 keeps it fixed).")
-    lambda_max: float | None = Field(None, gt=0, description="Upper bound of the multiplier; null: none.")
+    # Within +-1e6 (MAX_WEIGHT): costs and multipliers are of the order of the rewards.
+    budget: float = Field(
+        0.0, ge=-MAX_WEIGHT, le=MAX_WEIGHT, description="The cost limit d: the multiplier rises while the batch's mean cost exceeds it."
+    )
+    lambda_init: float = Field(1.0, ge=0, le=MAX_WEIGHT, description="Initial Lagrange multiplier (> 0 with lambda_update=log).")
+    lambda_lr: float = Field(0.1, ge=0, le=MAX_WEIGHT, description="Step size of the multiplier's update (0 keeps it fixed).")
+    lambda_max: float | None = Field(None, gt=0, le=MAX_WEIGHT, description="Upper bound of the multiplier; null: none (1e6 at most).")
     lambda_update: Literal["projected", "log"] = Field(
         "projected",
         description="projected: lambda <- max(0, lambda + lambda_lr (mean cost - budget)); log: a gradient step on "
@@ -445,8 +510,12 @@ class SafetyConfig(Section):
 class LoraConfig(Section):
     """trainer.lora: train low-rank adapters (peft) on a frozen base instead of the whole policy (docs/lora.md)."""
 
-    rank: int = Field(0, ge=0, description="Adapter rank r; 0 trains the whole policy (no LoRA).")
-    alpha: float = Field(16.0, gt=0, description="Adapter scale numerator: an adapted weight is W + (alpha / rank) * B @ A.")
+    rank: int = Field(
+        0, ge=0, le=65536, description="Adapter rank r; 0 trains the whole policy (no LoRA). At most 65536, above any model's width."
+    )
+    alpha: float = Field(
+        16.0, gt=0, le=MAX_WEIGHT, description="Adapter scale numerator: an adapted weight is W + (alpha / rank) * B @ A (at most 1e6)."
+    )
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear",
         description="Linear layers that get adapters, by module name (e.g. [q_proj, v_proj]), or all-linear: every "
@@ -474,22 +543,31 @@ class LoraConfig(Section):
 
 
 class TrainerConfig(Section):
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[UnitInterval, UnitInterval] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1).")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
-    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
-    sync_bucket_mb: float = Field(
-        128.0, gt=0, description="Weight sync: most megabytes of weights gathered and sent in one bucket (the sync's extra memory is about one or two buckets); a larger tensor goes alone."
+    lr: float = Field(1e-4, gt=0, le=MAX_LR, description="AdamW learning rate; at most 1 (an Adam step moves each weight by about lr).")
+    weight_decay: float = Field(
+        0.0, ge=0, le=1, description="AdamW weight decay; at most 1 (each step shrinks the weights by lr * weight_decay)."
     )
+    betas: tuple[UnitInterval, UnitInterval] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1).")
+    grad_clip: float = Field(1.0, gt=0, le=MAX_WEIGHT, description="Max global gradient norm; at most 1e6 (a bound that never clips).")
+    ppo_epochs: int = Field(1, ge=1, le=MAX_EPOCHS, description="Passes over each rollout batch; at most 100 (PPO uses 1-4).")
+    micro_batch_size: int = Field(
+        64, ge=1, le=MAX_SEQUENCES,
+        description="Sequences per forward/backward; gradients accumulate across micro-batches. At most 2**20.",
+    )  # fmt: skip
+    sync_bucket_mb: float = Field(
+        128.0, gt=0, le=MAX_BUCKET_MB,
+        description="Weight sync: most megabytes of weights gathered and sent in one bucket (the sync's extra memory is "
+        "about one or two buckets); a larger tensor goes alone. At most 65536, more than a GPU's memory.",
+    )  # fmt: skip
     sync_transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = Field(
         "auto",
         description="How a weight sync moves the buckets (docs/weight_sync.md): object_store (Ray's, always works), "
         "cuda_ipc (trainer and rollout colocated on one GPU pool), nccl (separate GPU pools), or auto: chosen from "
         "resources.pools. A forced one the placement cannot carry is refused at submit.",
     )
-    world_size: int = Field(1, ge=1, description="Trainer ranks; above 1 the policy is sharded with FSDP2 (gloo on CPU).")
+    world_size: int = Field(
+        1, ge=1, le=MAX_RANKS, description="Trainer ranks; above 1 the policy is sharded with FSDP2 (gloo on CPU). At most 4096."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="Where the trainer runs: cuda (NCCL between ranks; the policy is sharded with FSDP2 even on one rank), "
@@ -527,9 +605,9 @@ class TrainerConfig(Section):
 
 
 class WarmupConfig(Section):
-    steps: int = Field(0, ge=0, description="Supervised warm-up steps on the training answers before RL; 0 skips it.")
-    lr: float = Field(3e-3, gt=0, description="Warm-up learning rate.")
-    batch_size: int = Field(64, ge=1, description="Warm-up batch size (prompt-answer pairs).")
+    steps: int = Field(0, ge=0, le=MAX_STEPS, description="Supervised warm-up steps on the training answers before RL; 0 skips it.")
+    lr: float = Field(3e-3, gt=0, le=MAX_LR, description="Warm-up learning rate; at most 1.")
+    batch_size: int = Field(64, ge=1, le=MAX_SEQUENCES, description="Warm-up batch size (prompt-answer pairs); at most 2**20.")
 
 
 # A Literal built from the table: its error lists the modes, and `ratchet schema` shows them.
@@ -540,14 +618,22 @@ class LoopConfig(Section):
     mode: LoopModeName = Field(
         "sync", description=" ".join(f"{name}: {mode.description}" for name, mode in LOOP_MODES.items())
     )
-    max_staleness: int = Field(1, ge=0, description="fully_async: most policy versions a sample may lag when trained on; staler batches are dropped and their prompts redone.")
-    queue_limit: int = Field(2, ge=1, description="fully_async: most batches generated ahead of the trainer (in flight + ready).")
-    sync_every: int = Field(1, ge=1, description="fully_async: sync weights to the rollout engines every this many updates.")
+    # fully_async's pipeline depth: at most 1024 each, far past any useful lag (1-8), and the
+    # ready batches travel in the run state (Temporal's 2 MB payload limit).
+    max_staleness: int = Field(
+        1, ge=0, le=1024,
+        description="fully_async: most policy versions a sample may lag when trained on; staler batches are dropped and "
+        "their prompts redone.",
+    )  # fmt: skip
+    queue_limit: int = Field(2, ge=1, le=1024, description="fully_async: most batches generated ahead of the trainer (in flight + ready).")
+    sync_every: int = Field(1, ge=1, le=1024, description="fully_async: sync weights to the rollout engines every this many updates.")
     steps: int = Field(20, ge=1, le=MAX_STEPS, description="RL steps to run.")
-    prompts_per_step: int = Field(16, ge=1, description="Prompts per rollout batch (samples = prompts * rollout.n).")
-    eval_every: int = Field(0, ge=0, description="Greedy evaluation every this many steps (0: only before and after).")
+    prompts_per_step: int = Field(
+        16, ge=1, le=MAX_SEQUENCES, description="Prompts per rollout batch (samples = prompts * rollout.n); at most 2**20."
+    )
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="Greedy evaluation every this many steps (0: only before and after).")
     continue_as_new_every: int = Field(
-        0, ge=0, description="Continue the workflow as new every this many steps (0: only when Temporal suggests it)."
+        0, ge=0, le=MAX_STEPS, description="Continue the workflow as new every this many steps (0: only when Temporal suggests it)."
     )
     heartbeat_timeout_s: float = Field(
         30.0,
@@ -561,11 +647,11 @@ class LoopConfig(Section):
 class CheckpointConfig(Section):
     export_final: bool = Field(True, description="Export the final policy in Hugging Face format to the run folder.")
     every: int = Field(
-        10, ge=0, description="Checkpoint (trainer state, HF export, run state) every this many steps; 0: never. "
+        10, ge=0, le=MAX_STEPS, description="Checkpoint (trainer state, HF export, run state) every this many steps; 0: never. "
         "A lost trainer is rebuilt from the last one plus a replay of the stored batches after it."
     )
-    keep_last: int = Field(3, ge=1, description="Retention: keep the last this many checkpoints...")
-    keep_every: int = Field(0, ge=0, description="...and every checkpoint whose step is a multiple of this (0: none).")
+    keep_last: int = Field(3, ge=1, le=MAX_STEPS, description="Retention: keep the last this many checkpoints...")
+    keep_every: int = Field(0, ge=0, le=MAX_STEPS, description="...and every checkpoint whose step is a multiple of this (0: none).")
 
 
 _URL_PREFIX = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: C: is a Windows drive
@@ -607,7 +693,7 @@ class PoolConfig(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$", description="Pool name (letters, digits, '_', '.', '-').")
     nodes: int = Field(1, ge=1, le=1024, description="Nodes in the pool.")
-    cpus_per_node: float = Field(gt=0, description="Ray CPUs the pool reserves on each node.")
+    cpus_per_node: float = Field(gt=0, le=MAX_CPUS, description="Ray CPUs the pool reserves on each node (at most 65536, more than a machine has).")
     gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs the pool reserves on each node (0: a CPU pool).")
     roles: list[PoolRole] = Field(
         min_length=1,
@@ -622,11 +708,14 @@ class ResourcesConfig(Section):
         description="Resource pools and the roles on each (docs/placement.md); empty: every actor reserves its *_cpus "
         "from the whole cluster.",
     )
-    rollout_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each rollout worker.")
-    trainer_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each trainer rank.")
-    reward_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved by the reward worker (rule-based rewards are light: 0).")
-    critic_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved by the critic (GAE estimators only).")
-    torch_threads: int = Field(1, ge=1, description="torch threads per worker process (one is fastest on small CPUs).")
+    # Ray CPUs of one actor: at most 65536 (MAX_CPUS), more than any machine has.
+    rollout_cpus: float = Field(1.0, gt=0, le=MAX_CPUS, description="Ray CPUs reserved by each rollout worker (at most 65536).")
+    trainer_cpus: float = Field(1.0, gt=0, le=MAX_CPUS, description="Ray CPUs reserved by each trainer rank (at most 65536).")
+    reward_cpus: float = Field(0.0, ge=0, le=MAX_CPUS, description="Ray CPUs reserved by the reward worker (rule-based rewards are light: 0; at most 65536).")
+    critic_cpus: float = Field(0.0, ge=0, le=MAX_CPUS, description="Ray CPUs reserved by the critic (GAE estimators only; at most 65536).")
+    torch_threads: int = Field(
+        1, ge=1, le=1024, description="torch threads per worker process (one is fastest on small CPUs); at most 1024."
+    )
 
     @field_validator("pools")
     @classmethod
@@ -723,15 +812,20 @@ class PreferenceData(Section):
 
 class SupervisedStageBase(Section):
     steps: int = Field(ge=1, le=MAX_STEPS, description="Optimiser steps of the stage.")
-    batch_size: int = Field(16, ge=1, description="Conversations (sft) or pairs (dpo) per step.")
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (constant).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    # Bounds as the RL trainer's (MAX_SEQUENCES, MAX_LR, MAX_WEIGHT, MAX_TOKENS, MAX_STEPS).
+    batch_size: int = Field(16, ge=1, le=MAX_SEQUENCES, description="Conversations (sft) or pairs (dpo) per step; at most 2**20.")
+    lr: float = Field(1e-4, gt=0, le=MAX_LR, description="AdamW learning rate (constant); at most 1.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay; at most 1.")
     betas: tuple[UnitInterval, UnitInterval] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    max_length: int = Field(512, gt=0, description="Longest sequence (prompt and answer) in tokens; a longer row is an error.")
-    eval_size: int = Field(256, gt=0, description="How many held-out rows to evaluate (the first ones, in file order).")
+    grad_clip: float = Field(1.0, gt=0, le=MAX_WEIGHT, description="Max global gradient norm; at most 1e6.")
+    max_length: int = Field(
+        512, gt=0, le=MAX_TOKENS, description="Longest sequence (prompt and answer) in tokens; a longer row is an error. At most 2**21."
+    )
+    eval_size: int = Field(
+        256, gt=0, le=MAX_SEQUENCES, description="How many held-out rows to evaluate (the first ones, in file order); at most 2**20."
+    )
     chunk_steps: int = Field(
-        20, ge=1, description="Steps per activity, each ending with a checkpoint: a crash redoes at most this many steps."
+        20, ge=1, le=MAX_STEPS, description="Steps per activity, each ending with a checkpoint: a crash redoes at most this many steps."
     )
 
 
@@ -748,9 +842,11 @@ class DpoStage(SupervisedStageBase):
     kind: Literal["dpo"] = Field(description="dpo: preference optimisation on (prompt, chosen, rejected) pairs.")
     data: PreferenceData
     loss: str = Field("sigmoid", description="Preference loss by registered name: sigmoid (DPO), ipo, simpo (no reference).")
-    beta: float = Field(0.1, gt=0, description="DPO/IPO/SimPO beta: the implicit reward's scale (IPO: the target margin is 1/(2 beta)).")
+    beta: float = Field(
+        0.1, gt=0, le=MAX_WEIGHT, description="DPO/IPO/SimPO beta: the implicit reward's scale (IPO: the target margin is 1/(2 beta)); at most 1e6."
+    )
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative DPO / SimPO: probability that a label is flipped.")
-    simpo_gamma: float = Field(0.5, ge=0, description="SimPO: target reward margin gamma (TRL's simpo_gamma).")
+    simpo_gamma: float = Field(0.5, ge=0, le=MAX_WEIGHT, description="SimPO: target reward margin gamma (TRL's simpo_gamma); at most 1e6.")
 
     @field_validator("loss")
     @classmethod

@@ -70,7 +70,9 @@ class ParamSpace(_Strict):
     high: float | None = Field(None, description="Range: the largest value.")
     type: Literal["float", "int"] | None = Field(None, description="Range: int or float (default: int when both bounds are integers).")
     log: bool = Field(False, description="Range: sample (and space grid points) on a log scale; needs low > 0.")
-    num: int | None = Field(None, ge=1, description="Grid search over a range: this many points, low and high included.")
+    num: int | None = Field(
+        None, ge=1, le=10_000, description="Grid search over a range: this many points, low and high included (at most 10000, the most trials)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -116,7 +118,7 @@ class Objective(_Strict):
         description="eval_reward: the evaluation at the trial's last step (needs data.eval_files); any other name: "
         "that key of metrics.jsonl (e.g. reward_mean), averaged over the last `last_k` steps.",
     )
-    last_k: int = Field(1, ge=1, description="Steps averaged for a metrics.jsonl metric.")
+    last_k: int = Field(1, ge=1, le=10**9, description="Steps averaged for a metrics.jsonl metric (at most 1e9, loop.steps' own bound).")
     direction: Literal["max", "min"] = Field("max", description="Maximise or minimise the metric.")
 
 
@@ -127,11 +129,15 @@ class EarlyStopping(_Strict):
         "there; asha: stop it unless it is in the top 1/eta of the trials that reached the rung (itself included).",
     )
     rungs: list[int] = Field(default_factory=list, description="Steps at which trials are compared (ascending, each below loop.steps).")
-    eta: int = Field(3, ge=2, description="asha: keep the top 1/eta at each rung.")
+    eta: int = Field(3, ge=2, le=10_000, description="asha: keep the top 1/eta at each rung (at most 10000, the most trials).")
     metric: str = Field("reward_mean", description="The metrics.jsonl key compared at the rungs.")
     direction: Literal["max", "min"] | None = Field(None, description="Whether a higher or lower value at a rung is better (default: the objective's direction).")
-    window: int = Field(1, ge=1, description="A trial's value at rung r: the mean of the metric over steps r-window+1..r.")
-    min_trials: int = Field(1, ge=1, description="median: how many other trials must have reached the rung before one is stopped.")
+    window: int = Field(
+        1, ge=1, le=10**9, description="A trial's value at rung r: the mean of the metric over steps r-window+1..r (at most 1e9)."
+    )
+    min_trials: int = Field(
+        1, ge=1, le=10_000, description="median: how many other trials must have reached the rung before one is stopped (at most 10000)."
+    )
 
     @field_validator("rungs")
     @classmethod

@@ -107,7 +107,10 @@ def status(
     # The server the other commands talk to: $RATCHET_TEMPORAL_ADDRESS, else the embedded one.
     address = os.environ.get("RATCHET_TEMPORAL_ADDRESS")
     fix = "is RATCHET_TEMPORAL_ADDRESS right? (docs/deploy.md)" if address else "start it with `ratchet up`"
-    runs, total, why = runs_in_flight(address or st.temporal_address, fix=fix)
+    from .payload_key import key_file_path
+
+    # The embedded server's runs are sealed with its state folder's key ($RATCHET_PAYLOAD_KEY_FILE wins).
+    runs, total, why = runs_in_flight(address or st.temporal_address, fix=fix, payload_key_file=None if address else key_file_path(st.state_dir))
     if as_json:
         sys.stdout.write(status_json(st, runs, total, why) + "\n")
     else:
@@ -242,9 +245,11 @@ def train(
 
     cfg = _exit_on_config_error(load_config, config, overrides or [])
     client = Client.connect()
+    from .taken_ids import IdTaken
+
     try:
         handle = client.submit(cfg)
-    except InvalidId as exc:  # the run id made from tracking.name
+    except (InvalidId, IdTaken) as exc:  # the run id made from tracking.name; one another run has
         typer.secho(str(exc), err=True, fg="red")
         raise typer.Exit(2)
     console.print(f"submitted run [bold]{handle.run_id}[/bold]")
@@ -691,6 +696,7 @@ def registry_rebuild(
     state_dir: Optional[Path] = StateDir,
 ) -> None:
     """Rebuild the registry's runs and checkpoints from the run folders under --root."""
+    from rich.markup import escape
     from rich.progress import Progress
 
     from ratchet.registry import rebuild_from_store
@@ -701,9 +707,15 @@ def registry_rebuild(
         report = rebuild_from_store(
             reg, root, on_start=lambda n: bar.update(task, total=n), on_run=lambda run_id: bar.advance(task)
         )
-    console.print(f"rebuilt {len(report.runs)} runs ({report.checkpoints} checkpoints) from {root} into {reg.url}")
+    lines = sum(len(v) for v in report.skipped_lines.values())
+    console.print(
+        f"rebuilt {len(report.runs)} runs ({report.checkpoints} checkpoints) from {root} into {reg.url}; "
+        f"skipped {len(report.skipped)} folders and {lines} unreadable metrics lines"
+    )
     for folder, why in report.skipped.items():
         console.print(f"[yellow]skipped {folder}[/yellow]: {why}")
+    for run_id, skipped in report.skipped_lines.items():
+        console.print(f"[yellow]{run_id}: skipped {len(skipped)} unreadable lines[/yellow]: {escape('; '.join(skipped[:3]))}")
 
 
 

@@ -61,6 +61,7 @@ def debug() -> bool:
 def explain(exc: BaseException) -> tuple[str, int] | None:
     """(the line to print, the exit code) for an exception a user can cause; None for
     any other (a bug: its traceback is the useful output)."""
+    from .payload_key import PayloadKeyError, PayloadKeyMismatch
     from .temporal_connection import TemporalConnectionError
 
     if isinstance(exc, CliError):
@@ -69,6 +70,8 @@ def explain(exc: BaseException) -> tuple[str, int] | None:
         return str(exc), 1
     if isinstance(exc, TemporalConnectionError):  # a RATCHET_TEMPORAL_* variable: its name and the fix
         return f"Temporal connection settings: {exc}", 2
+    if isinstance(exc, (PayloadKeyError, PayloadKeyMismatch)):  # the key file: its path and the fix
+        return f"Temporal payload key: {exc}", 2
     if isinstance(exc, RuntimeError) and str(exc).startswith("Failed client connect"):
         # The SDK's error from Client.connect(), which the CLI calls with the default address
         # (Client.connect keeps the SDK's error and its TLS details for the Python API).

@@ -24,6 +24,7 @@ from ratchet.ids import check_id
 from ratchet.config.loop_plan import loop_plan
 from ratchet.types import TASK_QUEUE, BatchStatus, LiveChange, Progress, RunState, RunSummary, TrainingInput, upgrade_run_state
 from .handles import WorkflowHandle
+from .taken_ids import check_new_run_id
 
 WORKFLOW = "TrainingWorkflow"
 # The demo recipe, in a source checkout.
@@ -197,17 +198,23 @@ class Client:
         self._has_search_attributes = False  # the namespace has ratchet's (checked until it has)
 
     @classmethod
-    def connect(cls, address: str | None = None, *, namespace: str | None = None, task_queue: str = TASK_QUEUE) -> "Client":
+    def connect(
+        cls, address: str | None = None, *, namespace: str | None = None, task_queue: str = TASK_QUEUE, payload_key_file: str | Path | None = None
+    ) -> "Client":
         """Connect to the Temporal frontend at `address` (default $RATCHET_TEMPORAL_ADDRESS or
         the embedded server's). The namespace (default $RATCHET_TEMPORAL_NAMESPACE, else
-        `default`), TLS and an API key come from the environment (`temporal_connection`)."""
+        `default`), TLS and an API key come from the environment (`temporal_connection`).
+        Every payload is sealed with the workers' key (`payload_codec`): `payload_key_file`,
+        else $RATCHET_PAYLOAD_KEY_FILE, else `<state folder>/payload.key`."""
         from temporalio.client import Client as TemporalClient
 
+        from .payload_codec import data_converter
         from .temporal_connection import connect_options
         from .worker import default_temporal_address
 
         address = address or default_temporal_address()
         options = connect_options(namespace)  # before the loop: a bad variable names itself
+        options["data_converter"] = data_converter(payload_key_file)  # a bad key file names itself too
         loop = asyncio.new_event_loop()
         temporal = loop.run_until_complete(TemporalClient.connect(address, **options))
         return cls(temporal, loop, task_queue)
@@ -227,6 +234,7 @@ class Client:
             data = config.model_dump(mode="json") if isinstance(config, RunConfig) else dict(config)
             cfg = load_config(None, overrides, base=data)
         run_id = run_id or check_id(make_run_id(cfg.tracking.name), "run id made from tracking.name")
+        check_new_run_id(self, run_id, cfg.storage.root)  # IdTaken: another run's, before anything is written
         if cfg.stages:  # a pipeline of stages (src/ratchet/platform/pipelines.py): a PipelineHandle
             from .pipelines import start_pipeline
 
@@ -298,7 +306,7 @@ class Client:
             raise FileNotFoundError(f"run {run_id!r} has no valid checkpoint to resume from (checkpoint.every was 0?)")
         if not checkpoints.verify(info.name):
             raise ValueError(f"checkpoint {info.name!r} of run {run_id!r} is corrupted; pick another (ratchet checkpoints {run_id})")
-        state = read_run_state(run_store.get_bytes(RunLayout.checkpoint(info.name, RunLayout.RUN_STATE)))
+        state = read_run_state(checkpoints.read_files(info.name, [RunLayout.RUN_STATE])[RunLayout.RUN_STATE])  # where its manifest says
         self._check_something_to_train(run_id, info.name, state, cfg.loop.steps, named=checkpoint is not None)
         if "algorithm.kl.coef" in changed:
             state.kl_coef = cfg.algorithm.kl.coef  # the saved (possibly adapted) one would override it

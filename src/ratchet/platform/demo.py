@@ -19,12 +19,14 @@ from typing import Sequence
 
 from rich.console import Console
 
+from ratchet.private_paths import PRIVATE_UMASK
 from ratchet.registry.urls import ENV as REGISTRY_ENV
 from ratchet.registry.urls import sqlite_url
 
 from .assets import prepare_assets
 from .client import RECIPE_PATH as RECIPE
 from .client import Client
+from .payload_key import KEY_FILE_VAR, key_file_path
 from .plot import plot_or_reason
 from .services import ServiceSettings, mlflow_ui_url, ray_address, ray_auth_env, temporal_address, up
 from .tables import show
@@ -33,19 +35,22 @@ from .watch import run_link, summary_table, watch
 
 
 def start_worker_process(settings: ServiceSettings) -> subprocess.Popen:
-    log_dir = Path(settings.state_dir) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = settings.ensure_private_subdir(Path(settings.state_dir) / "logs")
     env = dict(os.environ, RATCHET_TEMPORAL_ADDRESS=temporal_address(settings), RATCHET_RAY_ADDRESS=ray_address(settings))
     # The token's path (not the token) in the environment: the worker joins Ray with it.
     env.update(ray_auth_env(settings))
     # The run registry of these services' state folder, unless the user named another.
     env.setdefault(REGISTRY_ENV, sqlite_url(settings.state_dir))
     env["RATCHET_STATE_DIR"] = str(settings.state_dir)  # the trackers' default stores: <state>/mlflow.db, <state>/wandb
+    env[KEY_FILE_VAR] = str(key_file_path(settings.state_dir))  # the services' payload key, unless one was named
     # A worker started while the Temporal server restarts waits for it instead of exiting
     # at once: nothing restarts this process, and its runs would wait for a worker forever.
     env.setdefault("RATCHET_WORKER_WAIT_S", "60")
-    with open(log_dir / "worker.log", "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "ratchet.platform.worker"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Private like the services (processes.spawn_logged): its log, and what it writes.
+    with open(os.open(log_dir / "worker.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ratchet.platform.worker"], env=env, stdout=log, stderr=subprocess.STDOUT, umask=PRIVATE_UMASK
+        )
 
 
 def wait_until_serving(settings: ServiceSettings, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -92,7 +97,7 @@ def run_demo(settings: ServiceSettings, overrides: Sequence[str], console: Conso
     console.print("[bold]3/4[/bold] starting a worker")
     worker = start_worker_process(settings)
     try:
-        client = Client.connect(temporal_address(settings))
+        client = Client.connect(temporal_address(settings), payload_key_file=key_file_path(settings.state_dir))
         handle = client.submit(RECIPE, [*paths, *overrides])
         console.print(f"[bold]4/4[/bold] training: run [bold]{handle.run_id}[/bold]", soft_wrap=True)
         # Links and paths are printed whole (soft_wrap): a line break inside one breaks it.

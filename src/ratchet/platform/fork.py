@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Sequence
 from ratchet.ids import check_id
 from ratchet.types import RunLineage, TrainingInput
 
+from .taken_ids import check_new_run_id
+
 if TYPE_CHECKING:
     from ratchet.storage import ObjectStore
 
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"step-(\d+)")  # matched whole (fullmatch): `$` lets a final newline through
 _MANIFESTS = ("MANIFEST.json", "manifest.json")  # committed last: a half copy does not exist
 
 
@@ -37,7 +39,7 @@ def checkpoint_name(name: str) -> str:
     """`step-20` or `step-00000020` as the stored name; any other name as given."""
     from ratchet.storage.layout import RunLayout
 
-    match = _STEP.match(name)
+    match = _STEP.fullmatch(name)
     return RunLayout.checkpoint_name(int(match.group(1))) if match else name
 
 
@@ -81,7 +83,7 @@ def fork(
         )
     if not checkpoints.verify(name):
         raise ValueError(f"checkpoint {name!r} of run {run_id!r} is corrupted; pick another (ratchet checkpoints {run_id})")
-    state = read_run_state(parent.get_bytes(RunLayout.checkpoint(name, RunLayout.RUN_STATE)))
+    state = read_run_state(checkpoints.read_files(name, [RunLayout.RUN_STATE])[RunLayout.RUN_STATE])  # where its manifest says
     if "algorithm.kl.coef" in changed:
         state.kl_coef = cfg.algorithm.kl.coef  # the saved (possibly adapted) one would override it
     state.live.values = without(state.live.values, list(changed))
@@ -91,9 +93,8 @@ def fork(
             f"nothing to train; pass loop.steps=N with N > {state.next_step}"
         )
     child_id = new_run_id or check_id(make_run_id(cfg.tracking.name), "run id made from tracking.name")
+    check_new_run_id(client, child_id, cfg.storage.root)  # IdTaken: another run's (a FileExistsError)
     child = ObjectStore(cfg.storage.root).child(child_id)
-    if child.list(""):
-        raise FileExistsError(f"run {child_id!r} already has a folder under {cfg.storage.root}; pick another id")
     copied = copy_tree(parent, child, RunLayout.checkpoint(name))
     if cfg.warmup.steps > 0:
         copied += copy_tree(parent, child, RunLayout.WARMUP_MODEL)

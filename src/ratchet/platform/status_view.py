@@ -39,7 +39,10 @@ async def _list(temporal, limit: int) -> tuple[list[RunInFlight], int]:
     runs = []
     async for w in temporal.list_workflows(_QUERY, limit=limit):
         found = listing(w)
-        steps = await w.memo_value("steps", None)
+        try:
+            steps = await w.memo_value("steps", None)
+        except Exception:  # noqa: BLE001 - a memo not sealed with our key (an older server's run, a stranger's): no count
+            steps = None
         runs.append(RunInFlight(found.run_id, found.status or "running", found.step, steps if isinstance(steps, int) else None, found.start_time))
     total = len(runs)
     if total == limit:  # there may be more: count them (one cheap call)
@@ -48,14 +51,15 @@ async def _list(temporal, limit: int) -> tuple[list[RunInFlight], int]:
 
 
 def runs_in_flight(
-    address: str, limit: int = LIMIT, fix: str = "start it with `ratchet up`"
+    address: str, limit: int = LIMIT, fix: str = "start it with `ratchet up`", payload_key_file=None
 ) -> tuple[list[RunInFlight] | None, int, str | None]:
     """(runs, how many there are, None), or (None, 0, why not) when the Temporal server at
-    `address` cannot be reached or asked: a line for the user, ending with `fix`."""
+    `address` cannot be reached or asked: a line for the user, ending with `fix`.
+    `payload_key_file`: the services' payload key (default: the environment's)."""
     from .client import Client
 
     try:
-        client = Client.connect(address)
+        client = Client.connect(address, payload_key_file=payload_key_file)
     except RuntimeError as exc:  # the SDK's "Failed client connect: ..." with the transport's details
         text = str(exc).lower()
         reason = "connection refused" if "refused" in text else "timed out" if "timed out" in text or "deadline" in text else _short(exc)
@@ -105,6 +109,7 @@ def print_services(console: Console, st: ServicesStatus, started: list[str] | No
     lines = [
         _service_line("temporal", st.temporal.running, st.temporal_address, _note(st.temporal, fix)),
         _service_line("Temporal UI", st.temporal.running, st.temporal_ui_url),
+        *([_service_line("codec server", st.codec_server.running, st.codec_server.address, st.codec_server.detail)] if st.codec_server else []),
         _service_line("ray", st.ray.running, st.ray_address, _note(st.ray, fix, f"{st.ray_auth_mode} auth" if st.ray_auth_mode else "")),
         *[_service_line(n.name, n.running, n.address, _note(n, "`ratchet up` starts it again")) for n in st.nodes],
     ]

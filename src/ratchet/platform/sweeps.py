@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Sequence
 
 from ratchet.ids import check_id
-from ratchet.sweep_types import SweepInput, SweepPlan, SweepProgress, SweepSummary
+from ratchet.sweep_types import SweepInput, SweepPlan, SweepProgress, SweepSummary, trial_run_id
 from .handles import WorkflowHandle
+from .taken_ids import check_new_sweep_id
 
 if TYPE_CHECKING:
     from ratchet.config.sweep_spec import SweepSpec
@@ -79,6 +80,8 @@ def start_sweep(client: "Client", spec, overrides: Sequence[str] = (), *, sweep_
         inp = replace(spec, search_attributes=has_attrs, sweep_id=check_id(sweep_id, "sweep id") if sweep_id else spec.sweep_id)
     else:
         inp = prepare_sweep(spec, overrides, sweep_id=sweep_id, search_attributes=has_attrs)
+    # IdTaken: another sweep's (its trials' folders would be overwritten), before anything starts.
+    check_new_sweep_id(client, inp.sweep_id, trial_run_id(inp.sweep_id, 0), inp.base_config["storage"]["root"])
     p = inp.plan
     summary = f"sweep {inp.spec['name']}: {p.trials} trials ({inp.spec['search']}), {p.parallelism} at once, objective {inp.spec['objective']['metric']}"
     client._run(

@@ -15,7 +15,7 @@ file configures every process the same way.
 | RATCHET_TEMPORAL_TLS_CA | PEM file of the CA that signed the server's certificate (implies TLS) |
 | RATCHET_TEMPORAL_TLS_CERT, RATCHET_TEMPORAL_TLS_KEY | PEM client certificate and key for mTLS, both or neither (imply TLS) |
 | RATCHET_TEMPORAL_TLS_SERVER_NAME | the name to verify the server's certificate against (SNI), when it differs from the address |
-| RATCHET_TEMPORAL_API_KEY | API key sent as a bearer token (Temporal Cloud); implies TLS |
+| RATCHET_TEMPORAL_API_KEY | API key sent as a bearer token (Temporal Cloud); implies TLS; or RATCHET_TEMPORAL_API_KEY_FILE: a file holding it |
 
 With none of them set, `connect_options()` is `{"namespace": ...}` alone: the call is the
 one ratchet made before TLS existed. Every problem is a `TemporalConnectionError` naming
@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ratchet.secret_env import SecretFileError, secret_value
 
 NAMESPACE_VAR = "RATCHET_TEMPORAL_NAMESPACE"
 LEGACY_NAMESPACE_VAR = "RATCHET_NAMESPACE"
@@ -172,7 +174,10 @@ def from_env(env: Mapping[str, str] | None = None, *, namespace: str | None = No
             f"{have} is set but {missing} is not; mTLS needs both the client certificate and its private key"
         )
     server_name = _get(env, SERVER_NAME_VAR)
-    api_key = _get(env, API_KEY_VAR)
+    try:  # or the file RATCHET_TEMPORAL_API_KEY_FILE names (a mounted Secret)
+        api_key = secret_value(API_KEY_VAR, env)
+    except SecretFileError as exc:
+        raise TemporalConnectionError(str(exc)) from None
     wants_tls = [n for n, v in ((CA_VAR, ca), (CERT_VAR, cert), (KEY_VAR, key), (SERVER_NAME_VAR, server_name), (API_KEY_VAR, api_key)) if v]
     if flag is False and wants_tls:
         raise TemporalConnectionError(

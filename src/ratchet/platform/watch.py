@@ -148,6 +148,8 @@ def summary_table(summary: RunSummary, wall_s: float | None, ui_url: str | None 
     table.add_row("sampled reward, last 10 steps", f"{summary.reward_last10:.3f}")
     for step, reward in sorted(summary.eval_rewards.items(), key=lambda kv: int(kv[0])):
         table.add_row(f"eval reward (greedy) at step {step}", f"{reward:.3f}")
+    if summary.unsafe_tools:
+        table.add_row("UNSAFE", f"model code ran without the sandbox (unsafe_local): {', '.join(summary.unsafe_tools)}")
     table.add_row("final policy", summary.final_policy_uri or "-")
     table.add_row("metrics", f"{summary.run_uri}/{RunLayout.METRICS}")
     if ui_url:

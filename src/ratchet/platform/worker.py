@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from ratchet.private_paths import PRIVATE_UMASK
 from ratchet.types import TASK_QUEUE
 
 from .reachability import ServiceUnreachable, check_services, host_port, tcp_unreachable_reason, temporal_unreachable_reason
@@ -82,9 +83,14 @@ class WorkerSettings:
     # Once serving: how long a lost Temporal server may stay away (retried quietly) before
     # the worker exits 1; inf: forever. Long enough for a server restart.
     lost_server_s: float = 120.0
+    # The Temporal payload key (payload_codec); None: $RATCHET_PAYLOAD_KEY_FILE, else
+    # `<state folder>/payload.key`.
+    payload_key_file: str | None = None
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
+        from .payload_key import key_file_path
+
         env = os.environ
         return cls(
             temporal_address=default_temporal_address(),
@@ -97,6 +103,7 @@ class WorkerSettings:
             sweep_every_seconds=float(env.get("RATCHET_SWEEP_EVERY_S", "300")),
             wait_s=float(env.get("RATCHET_WORKER_WAIT_S", "0")),
             lost_server_s=float(env.get("RATCHET_WORKER_LOST_SERVER_S", "120")),
+            payload_key_file=str(key_file_path(env=env)),
         )
 
 
@@ -222,7 +229,11 @@ async def _connect_temporal(client_cls, settings: WorkerSettings, timeout_s: flo
 
     # TLS and API key from the environment, checked before the first attempt: a bad setting
     # is a ValueError naming the variable, never retried as an unreachable server.
+    from .payload_codec import data_converter
+
     options = connect_options(settings.namespace)
+    # The payload key (payload_codec): a start or signal sealed without it is refused.
+    options["data_converter"] = data_converter(settings.payload_key_file)
     if runtime is not None:
         options["runtime"] = runtime
     said = []
@@ -270,6 +281,10 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
 
     # A bad TLS or API-key variable fails here, before Ray is joined; the line never holds the key.
     log.info("Temporal at %s: %s", settings.temporal_address, temporal_from_env(namespace=settings.namespace).describe())
+    from .payload_codec import data_converter
+
+    # The payload key, read (or created) before anything is joined: a bad key file fails here, named.
+    log.info("Temporal payloads sealed with %s", data_converter(settings.payload_key_file).payload_codec.key.describe())
     # Before joining Ray: ray.init on an address with no GCS retries with a warning a second.
     await asyncio.get_running_loop().run_in_executor(None, check_services, settings.temporal_address, settings.ray_address, settings.wait_s)
     connect_ray(settings.ray_address, settings.ray_auth_env)
@@ -394,6 +409,9 @@ def run_worker(settings: WorkerSettings) -> None:
     """Serve until stopped, then leave the process with serve's exit code. A service that
     is not reachable at start-up raises ServiceUnreachable (nothing was started)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # This process is ratchet's alone: what it writes (its Ray driver's logs, a local
+    # object store's runs, downloads, the registry) is its user's only, as for the services.
+    os.umask(PRIVATE_UMASK)
     # Not asyncio.run: after a lost server, its clean-up would wait on the SDK's tasks,
     # which wait on the server; the process ends here either way.
     loop = asyncio.new_event_loop()

@@ -22,6 +22,8 @@ from sqlalchemy import Engine, create_engine, event, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from ratchet.private_paths import create_private_file, make_private_dirs
+
 from . import migrate
 from .records import (
     DIRECTIONS,
@@ -95,7 +97,11 @@ class Registry:
         kwargs: dict[str, Any] = {"pool_pre_ping": True}
         if parsed.get_backend_name() == "sqlite":
             if parsed.database and parsed.database != ":memory:":
-                Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+                # Private: run configs, metrics and checkpoint URIs. SQLite gives its WAL
+                # and shared-memory files the database file's mode.
+                db_file = Path(parsed.database).expanduser()
+                make_private_dirs(db_file.parent)
+                create_private_file(db_file)
             # Worker and CLI share the file: wait for a lock instead of failing at once.
             kwargs["connect_args"] = {"timeout": 30}
         else:

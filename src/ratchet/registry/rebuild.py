@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 class RebuildReport:
     runs: list[str] = field(default_factory=list)  # run ids recorded
     checkpoints: int = 0  # checkpoint rows written
-    skipped: dict[str, str] = field(default_factory=dict)  # folder -> why it is not a run
+    skipped: dict[str, str] = field(default_factory=dict)  # folder -> why it is not a run, or why it failed
+    skipped_lines: dict[str, list[str]] = field(default_factory=dict)  # run id -> metrics lines skipped (unreadable)
 
 
 def config_digest(config: dict[str, Any]) -> str:
@@ -132,8 +133,11 @@ def rebuild_from_store(
     """Record every run folder under `root` (a local folder or an object store URL) in
     `registry`: description, progress, final metrics, status and committed checkpoints.
     Idempotent: rebuilding twice leaves the same rows. `on_start(number of folders)` and
-    `on_run(run_id)` after each one drive a progress bar."""
-    from ratchet.storage import MetricsLog, ObjectStore, RunLayout
+    `on_run(run_id)` after each one drive a progress bar. A folder that cannot be recorded
+    is skipped with its reason (`report.skipped`) and the others go on; a torn line in a
+    run's `metrics.jsonl` is skipped (`report.skipped_lines`) and the run recorded from the
+    lines that read."""
+    from ratchet.storage import ObjectStore, RunLayout
 
     store = ObjectStore(root)
     report = RebuildReport()
@@ -142,52 +146,60 @@ def rebuild_from_store(
         on_start(len(folders))
     for run_id in folders:
         try:
-            run_store = store.child(run_id)
-            config = run_store.get_json(RunLayout.CONFIG)
-        except Exception as exc:  # not a run folder ratchet wrote (a bad id, unreadable JSON)
+            _rebuild_run(registry, store, run_id, report)
+        except Exception as exc:  # noqa: BLE001 - one run's failure must not stop the others
             report.skipped[run_id] = f"{type(exc).__name__}: {exc}"
-            log.warning("rebuild: skipping %s: %s", run_id, exc)
-            if on_run is not None:
-                on_run(run_id)
-            continue
-        if not isinstance(config, dict):
-            report.skipped[run_id] = "config.json is not an object"
-            if on_run is not None:
-                on_run(run_id)
-            continue
-        lines = MetricsLog(run_store).read()
-        last_step, reward, eval_reward = progress(lines)
-        steps = (config.get("loop") or {}).get("steps") if isinstance(config.get("loop"), dict) else None
-        finished = run_store.exists(f"{RunLayout.FINAL_MODEL}/{RunLayout.MODEL_MANIFEST}") or (
-            isinstance(steps, int) and last_step is not None and last_step + 1 >= steps
-        )
-        existing = registry.run(run_id)
-        lineage = _lineage(run_store, existing)
-        if existing is not None and existing.status in END_STATUSES:
-            status = existing.status  # what the run's own activities recorded (e.g. stopped)
-        elif finished:
-            status = "completed"
-        else:
-            status = existing.status if existing else "failed"
-        record = replace(
-            describe_config(run_id, config),
-            status=status,
-            created_at=run_store.modified(RunLayout.CONFIG),
-            **lineage,
-        )
-        registry.record_run(record)
-        if last_step is not None:
-            registry.record_progress(run_id, last_step, reward, eval_reward)
-        if finished:
-            registry.finish_run(run_id, status, final_metrics(lines))
-        checkpoints = committed_checkpoints(run_store)
-        registry.sync_checkpoints(run_id, checkpoints)
-        report.runs.append(run_id)
-        report.checkpoints += len(checkpoints)
+            log.warning("rebuild: skipping %s: %s: %s", run_id, type(exc).__name__, exc)
         if on_run is not None:
             on_run(run_id)
-    log.info("rebuilt %d runs (%d checkpoints) from %s into %s", len(report.runs), report.checkpoints, root, registry.url)
+    log.info(
+        "rebuilt %d runs (%d checkpoints) from %s into %s; skipped %d folders and %d unreadable metrics lines",
+        len(report.runs), report.checkpoints, root, registry.url, len(report.skipped),
+        sum(len(v) for v in report.skipped_lines.values()),
+    )  # fmt: skip
     return report
+
+
+def _rebuild_run(registry: Registry, store: Any, run_id: str, report: RebuildReport) -> None:
+    """Record one run folder (see `rebuild_from_store`); raises when it cannot."""
+    from ratchet.storage import MetricsLog, RunLayout
+
+    run_store = store.child(run_id)
+    config = run_store.get_json(RunLayout.CONFIG)  # a bad id or unreadable JSON: not a run folder ratchet wrote
+    if not isinstance(config, dict):
+        raise ValueError("config.json is not an object")
+    metrics = MetricsLog(run_store).read_checked()  # torn lines skipped (and counted): the rest still counts
+    if metrics.skipped:
+        report.skipped_lines[run_id] = [f"{RunLayout.METRICS} {why}" for why in metrics.skipped]
+    lines = metrics.records
+    last_step, reward, eval_reward = progress(lines)
+    steps = (config.get("loop") or {}).get("steps") if isinstance(config.get("loop"), dict) else None
+    finished = run_store.exists(f"{RunLayout.FINAL_MODEL}/{RunLayout.MODEL_MANIFEST}") or (
+        isinstance(steps, int) and last_step is not None and last_step + 1 >= steps
+    )
+    existing = registry.run(run_id)
+    lineage = _lineage(run_store, existing)
+    if existing is not None and existing.status in END_STATUSES:
+        status = existing.status  # what the run's own activities recorded (e.g. stopped)
+    elif finished:
+        status = "completed"
+    else:
+        status = existing.status if existing else "failed"
+    record = replace(
+        describe_config(run_id, config),
+        status=status,
+        created_at=run_store.modified(RunLayout.CONFIG),
+        **lineage,
+    )
+    registry.record_run(record)
+    if last_step is not None:
+        registry.record_progress(run_id, last_step, reward, eval_reward)
+    if finished:
+        registry.finish_run(run_id, status, final_metrics(lines))
+    checkpoints = committed_checkpoints(run_store)
+    registry.sync_checkpoints(run_id, checkpoints)
+    report.runs.append(run_id)
+    report.checkpoints += len(checkpoints)
 
 
 __all__ = ["RebuildReport", "committed_checkpoints", "config_digest", "describe_config", "final_metrics", "progress", "rebuild_from_store"]

@@ -1,6 +1,6 @@
 """Which database the registry uses, and how its URL may be shown.
 
-`RATCHET_REGISTRY_URL` names it; without it, SQLite in the state folder
+`RATCHET_REGISTRY_URL` (or the file `RATCHET_REGISTRY_URL_FILE` names) names it; without it, SQLite in the state folder
 (`<RATCHET_STATE_DIR or .ratchet>/registry.db`, as `ServiceSettings.from_env` places the
 state folder; `ratchet up` and the demo pass the URL to the worker explicitly). A URL may
 hold a password (PostgreSQL): `safe_url` is the only form that goes into logs and errors.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ratchet.secret_env import SecretFileError, secret_value
 
 if TYPE_CHECKING:  # SQLAlchemy is imported on use: the CLI and demo import this module
     from sqlalchemy.engine import URL
@@ -36,7 +38,10 @@ def registry_url(url: str | None = None) -> str:
     """`url` if given, else RATCHET_REGISTRY_URL, else SQLite in the state folder."""
     if url:
         return url
-    env = os.environ.get(ENV, "").strip()
+    try:
+        env = secret_value(ENV) or ""  # or the file RATCHET_REGISTRY_URL_FILE names (a mounted Secret)
+    except SecretFileError as exc:
+        raise RegistryURLError(str(exc)) from None
     if env.lower() in OFF:
         raise RegistryURLError(f"the run registry is turned off ({ENV}={env}); set it to a database URL or unset it")
     if env:

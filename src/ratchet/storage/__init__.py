@@ -14,7 +14,7 @@ from ratchet.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .batch_store import BatchStore
-    from .checkpoint_store import CheckpointInfo, CheckpointStore, CorruptCheckpoint
+    from .checkpoint_store import CheckpointInfo, CheckpointStore, CorruptCheckpoint, SealMismatch
     from .keys import UnsafeKey
     from .layout import RunLayout
     from .manifest import BadManifest, Manifest
@@ -25,7 +25,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "batch_store": ("BatchStore",),
-        "checkpoint_store": ("CheckpointInfo", "CheckpointStore", "CorruptCheckpoint"),
+        "checkpoint_store": ("CheckpointInfo", "CheckpointStore", "CorruptCheckpoint", "SealMismatch"),
         "keys": ("UnsafeKey",),
         "layout": ("RunLayout",),
         "manifest": ("BadManifest", "Manifest"),

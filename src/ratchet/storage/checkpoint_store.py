@@ -11,9 +11,19 @@ manifest and fall back to the previous good checkpoint.
 
 One writer commits a local folder with `commit`. A checkpoint written from several nodes
 (the trainer ranks, each with its own disk) is committed in three parts: the sealing
-writer `begin`s (an earlier attempt's manifest goes), then every writer `upload`s its own
-folder, and once all have, the sealing writer `seal`s with every writer's file list: the
-manifest, still written last, lists every rank's files.
+writer `begin`s (which says where this attempt writes), then every writer `upload`s its own
+folder there, and once all have, the sealing writer `seal`s with every writer's file list:
+the stored bytes are read back and checked against the hashes the writers computed as they
+sent them, and only then is the manifest, still written last, put in place.
+
+A retry never unmakes a committed checkpoint. The first attempt at a name writes its files
+at `checkpoints/{name}/{rel}` (format `ratchet-checkpoint/1`, the layout every ratchet
+reads). When a manifest (or a retired one) is already there, the new attempt writes under
+`checkpoints/{name}/attempt-1/{rel}` (or `attempt-2`, whichever the committed one does not
+use) instead, and its manifest (format `ratchet-checkpoint/2`, naming the attempt folder in
+`"attempt"`) replaces the old one in one atomic put: until then readers see the old
+checkpoint whole; after, the new one, and the old files are deleted. Readers resolve a file's key from the manifest
+(`CheckpointInfo.attempt`), so both layouts read the same.
 """
 
 from __future__ import annotations
@@ -37,9 +47,32 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+_FAILED = object()  # what `_tidy` returns for a step of retention that failed
+
 MANIFEST = RunLayout.CHECKPOINT_MANIFEST
 RETIRED = RunLayout.CHECKPOINT_RETIRED  # a retired checkpoint's manifest (`retire`)
-FORMAT = "ratchet-checkpoint/1"
+FORMAT = "ratchet-checkpoint/1"  # files at checkpoints/{name}/{rel}
+FORMAT_ATTEMPT = "ratchet-checkpoint/2"  # files at checkpoints/{name}/{attempt}/{rel}; the manifest names `attempt`
+ATTEMPT_PREFIX = "attempt-"
+# The two folders a checkpoint taken again alternates between: never the committed one's.
+ATTEMPTS = (f"{ATTEMPT_PREFIX}1", f"{ATTEMPT_PREFIX}2")
+# A seal that finds stored bytes other than those written re-uploads them (`commit`) this
+# many times in all before it gives up; nothing is committed on the way.
+SEAL_TRIES = 3
+
+
+class SealMismatch(OSError):
+    """The stored bytes of an uploaded checkpoint differ from the bytes its writers sent
+    (or a file is gone): the checkpoint is not committed. `rels` names the files to upload
+    again."""
+
+    def __init__(self, name: str, problems: list[str], rels: list[str]):
+        self.name, self.problems, self.rels = name, problems, rels
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        super().__init__(
+            f"checkpoint {name!r} not committed: the stored bytes differ from the bytes written ({shown}); "
+            "the storage changed or lost them after the upload: check storage.root (space, other writers, the object store)"
+        )
 
 
 class CorruptCheckpoint(ValueError):
@@ -64,6 +97,7 @@ class CheckpointInfo:
     meta: dict[str, Any]
     created: str
     uri: str = field(default="", compare=False)
+    attempt: str = ""  # the folder under the checkpoint's that holds its files ("": the checkpoint's own)
 
 
 def _step_of(meta: dict) -> int | None:
@@ -93,70 +127,147 @@ class CheckpointStore:
     def _key(self, name: str, rel: str = "") -> str:
         return f"{self.prefix}/{name}/{rel}" if rel else f"{self.prefix}/{name}"
 
+    def _file_key(self, name: str, attempt: str, rel: str) -> str:
+        """The object key of file `rel` of checkpoint `name` written by `attempt`."""
+        return self._key(name, f"{attempt}/{rel}" if attempt else rel)
+
+    def file_key(self, info: CheckpointInfo, rel: str) -> str:
+        """The object key (relative to the store) of file `rel` of committed checkpoint `info`."""
+        if rel not in info.files:
+            raise FileNotFoundError(f"checkpoint {info.name!r} has no file {rel!r}")
+        return self._file_key(info.name, info.attempt, rel)
+
     @staticmethod
     def _check_name(name: str) -> None:
         check_id(name, "checkpoint name")
         if ".tmp-" in name:
             raise ValueError(f"checkpoint name {name!r}: '.tmp-' marks temporary objects; use a name such as 'step-000120'")
 
+    @staticmethod
+    def _check_attempt(name: str, attempt: object) -> str:
+        if attempt == "":
+            return ""
+        if not isinstance(attempt, str) or not attempt.startswith(ATTEMPT_PREFIX) or not is_valid_id(attempt) or ".tmp-" in attempt:
+            raise ValueError(f"checkpoint {name!r}: {attempt!r} is not an attempt folder of CheckpointStore.begin")
+        return attempt
+
     # ------------------------------------------------------------------ write
 
     def commit(self, name: str, local_dir: str | os.PathLike, meta: dict) -> CheckpointInfo:
         """Upload every file under `local_dir`, then the manifest: `begin`, `upload` and
-        `seal` by one writer. Re-committing a name (a retried activity) first removes the
-        old manifest, so readers never see the old manifest over new bytes."""
+        `seal` by one writer. A file whose stored bytes differ from those sent is uploaded
+        again (`SEAL_TRIES` in all), then SealMismatch. Re-committing a name (a retried
+        activity) writes a fresh attempt: the committed checkpoint stays whole until the
+        new manifest replaces it."""
         self._check_name(name)
         self._local_files(name, local_dir)  # a bad folder is refused before anything changes
         self._check_meta(name, meta)
-        self.begin(name)
-        return self.seal(name, self.upload(name, local_dir), meta)
+        attempt = self.begin(name)
+        files = self.upload(name, local_dir, attempt)
+        for tried in range(1, SEAL_TRIES):
+            try:
+                return self.seal(name, files, meta, attempt)
+            except SealMismatch as exc:
+                log.warning("checkpoint %s: %s; uploading %d files again (try %d of %d)", name, exc, len(exc.rels), tried + 1, SEAL_TRIES)
+                files.update(self.upload(name, local_dir, attempt, only=exc.rels))
+        return self.seal(name, files, meta, attempt)  # the last try: its SealMismatch is the caller's
 
-    def begin(self, name: str) -> None:
-        """Make `name` invisible before new bytes are written under it: an earlier
-        attempt's manifest is deleted. With several writers (one per trainer rank), the
-        one that seals calls this, and the others upload only after it returned."""
+    def begin(self, name: str) -> str:
+        """Where a new attempt at checkpoint `name` writes its files: "" (the checkpoint's
+        own folder, the layout older ratchet reads) when no manifest, committed or
+        retired, is there; else the attempt folder that manifest does not use (one of
+        `ATTEMPTS`), so that the committed checkpoint stays whole and readable until
+        `seal` replaces its manifest. Nothing is deleted, and a retried retry writes the
+        same keys again (rule 2). With several writers (one per trainer rank), the one
+        that seals calls this and hands the answer to the others before they upload."""
         self._check_name(name)
-        manifest_key = self._key(name, MANIFEST)
-        if self.store.exists(manifest_key):
-            log.info("checkpoint %s exists; replacing it", self.store.uri(self._key(name)))
-            self.store.delete(manifest_key)
+        for marker in (MANIFEST, RETIRED):
+            try:
+                raw = self.store.get_bytes(self._key(name, marker))
+            except FileNotFoundError:
+                continue
+            try:
+                used = json.loads(raw).get("attempt", "")
+            except (ValueError, UnicodeDecodeError, AttributeError):  # unreadable: not a good checkpoint to keep
+                used = ""
+            attempt = ATTEMPTS[1] if used == ATTEMPTS[0] else ATTEMPTS[0]
+            log.info("checkpoint %s exists; writing a new attempt under %s", self.store.uri(self._key(name)), attempt)
+            return attempt
+        return ""
 
-    def upload(self, name: str, local_dir: str | os.PathLike) -> dict[str, FileEntry]:
-        """Upload every file under `local_dir` into checkpoint `name` (relative paths
-        kept); no manifest. Returns each file's size and sha256 for `seal`. Each writer
-        of a checkpoint (each trainer rank, from its own node) uploads its own folder."""
+    def upload(self, name: str, local_dir: str | os.PathLike, attempt: str = "", only: list[str] | None = None) -> dict[str, FileEntry]:
+        """Upload every file under `local_dir` (or the relative paths `only`) into
+        checkpoint `name`'s `attempt` folder (`begin`'s answer); no manifest. Returns each
+        file's size and the sha256 of the bytes sent, for `seal`. Each writer of a
+        checkpoint (each trainer rank, from its own node) uploads its own folder."""
         self._check_name(name)
+        self._check_attempt(name, attempt)
         files: dict[str, FileEntry] = {}
         for path, rel in self._local_files(name, local_dir):
-            t = self.store.put_file(self._key(name, rel), path)
+            if only is not None and rel not in only:
+                continue
+            t = self.store.put_file(self._file_key(name, attempt, rel), path)
             files[rel] = FileEntry(t.size, t.sha256)
         return files
 
-    def seal(self, name: str, files: Mapping[str, FileEntry], meta: dict) -> CheckpointInfo:
+    def seal(self, name: str, files: Mapping[str, FileEntry], meta: dict, attempt: str = "") -> CheckpointInfo:
         """Commit checkpoint `name` made of the uploaded `files` (every writer's `upload`
-        result, merged): the manifest is written last, listing each file with its size and
-        sha256. Refused when a listed file is not stored. Then objects under the name that
-        the manifest does not list (an earlier attempt's) are deleted."""
+        result, merged; all in `attempt`'s folder). Every stored file is read back first
+        and must have the size and sha256 its writer sent (else SealMismatch, and nothing
+        is committed); then the manifest is written, listing each file. Then objects under
+        the name that the manifest does not list (an earlier attempt's) are deleted."""
         self._check_name(name)
+        self._check_attempt(name, attempt)
         self._check_meta(name, meta)
         for rel in files:
             self._check_rel(name, rel)
         stored = set(self.store.list(self._key(name)))
-        missing = sorted(rel for rel in files if self._key(name, rel) not in stored)
+        keys = {rel: self._file_key(name, attempt, rel) for rel in sorted(files)}
+        missing = sorted(rel for rel, key in keys.items() if key not in stored)
         if missing:
             raise FileNotFoundError(f"checkpoint {name!r}: cannot commit, files not uploaded: {', '.join(missing[:5])}")
+        self._check_stored(name, files, keys)
         manifest_key = self._key(name, MANIFEST)
         created = datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
-        header = {"format": FORMAT, "name": name, "step": _step_of(meta), "created": created, "meta": meta}
+        header = {"format": FORMAT_ATTEMPT if attempt else FORMAT, "name": name, "step": _step_of(meta), "created": created, "meta": meta}
+        if attempt:
+            header["attempt"] = attempt
         entries = {rel: files[rel] for rel in sorted(files)}
         manifest = Manifest(entries, {**header, "total_bytes": sum(f.size for f in entries.values())})
         self.store.put_json(manifest_key, manifest.to_json(CHECKPOINT))
-        # Files of an earlier attempt under this name that this commit no longer has.
-        for key in sorted(stored - {self._key(name, rel) for rel in entries} - {manifest_key}):
-            self.store.delete(key)
+        # Files of an earlier attempt under this name that this commit no longer has (the
+        # checkpoint is committed: a failure here leaves leftovers for retention, no error).
+        for key in sorted(stored - set(keys.values()) - {manifest_key}):
+            try:
+                self.store.delete(key)
+            except Exception as exc:  # noqa: BLE001 - retention removes it later
+                log.warning("checkpoint %s is committed; could not delete %s of an earlier attempt: %s", name, key, exc)
         info = self._info(name, manifest)
         log.info("committed checkpoint %s (%d files, %d bytes)", info.uri, len(entries), info.total_bytes)
         return info
+
+    def _check_stored(self, name: str, files: Mapping[str, FileEntry], keys: Mapping[str, str]) -> None:
+        """SealMismatch unless every stored file has the size and sha256 of the bytes its
+        writer sent (read back from storage: what a reader will get)."""
+        problems, bad = [], []
+        for rel, key in keys.items():
+            want = files[rel]
+            try:
+                size = self.store.size(key)
+                got = (size, self.store.sha256(key)[1]) if size == want.size else (size, None)
+            except FileNotFoundError:
+                problems.append(f"{rel}: missing")
+                bad.append(rel)
+                continue
+            if got[0] != want.size:
+                problems.append(f"{rel}: {got[0]} bytes stored, {want.size} written")
+            elif got[1] != want.sha256:
+                problems.append(f"{rel}: sha256 {got[1][:12]}... stored, {want.sha256[:12]}... written")
+            else:
+                continue
+            bad.append(rel)
+        if problems:
+            raise SealMismatch(name, problems, bad)
 
     @staticmethod
     def _check_meta(name: str, meta: dict) -> None:
@@ -192,8 +303,15 @@ class CheckpointStore:
         """What a checkpoint manifest describes; CorruptCheckpoint if it is not a
         `FORMAT` manifest of checkpoint `name`."""
         head = manifest.fields
-        if head.get("format") != FORMAT or head.get("name") != name:
-            raise CorruptCheckpoint(name, [f"{MANIFEST} is not a {FORMAT} manifest for {name!r}"])
+        if head.get("format") not in (FORMAT, FORMAT_ATTEMPT) or head.get("name") != name:
+            raise CorruptCheckpoint(name, [f"{MANIFEST} is not a {FORMAT} or {FORMAT_ATTEMPT} manifest for {name!r}"])
+        attempt = head.get("attempt", "") if head["format"] == FORMAT_ATTEMPT else ""
+        try:
+            self._check_attempt(name, attempt)
+            if head["format"] == FORMAT_ATTEMPT and not attempt:
+                raise ValueError("no attempt folder")
+        except ValueError:
+            raise CorruptCheckpoint(name, [f"{MANIFEST}: 'attempt' {attempt!r} is not an attempt folder"]) from None
         try:
             return CheckpointInfo(
                 name=head["name"],
@@ -203,6 +321,7 @@ class CheckpointStore:
                 meta=head.get("meta", {}),
                 created=head["created"],
                 uri=self.store.uri(self._key(name)),
+                attempt=attempt,
             )
         except KeyError as exc:
             raise CorruptCheckpoint(name, [f"{MANIFEST} lacks a field ({exc!r})"]) from None
@@ -257,12 +376,12 @@ class CheckpointStore:
     def problems(self, name: str) -> list[str]:
         """What is wrong with the stored bytes of `name` (empty when it matches its manifest)."""
         try:
-            _, manifest, _ = self._load_manifest(name)
+            info, manifest, _ = self._load_manifest(name)
         except CorruptCheckpoint as exc:
             return exc.problems
         out = []
         for rel in manifest.files:
-            key = self._key(name, rel)
+            key = self._file_key(name, info.attempt, rel)
             try:
                 problem = manifest.problem(rel, self.store.size(key))  # the size first: no read for a truncated file
                 if problem is None:
@@ -315,14 +434,14 @@ class CheckpointStore:
         """Small files of checkpoint `name`, checked against its manifest."""
         for rel in rels:
             check_key(rel, allow_empty=False, what="checkpoint file name")
-        _, manifest, _ = self._load_manifest(name)
+        info, manifest, _ = self._load_manifest(name)
         out, problems = {}, []
         for rel in rels:
             if rel not in manifest.files:
                 problems.append(f"{rel}: not in the manifest")
                 continue
             try:
-                data = self.store.get_bytes(self._key(name, rel))
+                data = self.store.get_bytes(self._file_key(name, info.attempt, rel))
             except FileNotFoundError:
                 problems.append(f"{rel}: missing")
                 continue
@@ -363,7 +482,7 @@ class CheckpointStore:
             target = local_dir / rel
             if not target.resolve().is_relative_to(root):
                 raise CorruptCheckpoint(name, [f"manifest path {rel!r} points outside the checkpoint folder"])
-            key = self._key(name, rel)
+            key = self._file_key(name, info.attempt, rel)
             try:
                 t = self.store.get_file(key, target, checksum=verify)
                 if verify and manifest.problem(rel, t.size, t.sha256) and t.transferred < t.size:
@@ -411,9 +530,14 @@ class CheckpointStore:
         corrupted newest checkpoint must not take the last good one with it).
 
         Also deletes leftovers of uncommitted uploads all of whose objects are older than
-        the newest committed manifest (a newer one may be an upload in progress), and
-        `.tmp-` objects and unfinished multipart uploads of interrupted writes older than
-        `leftover_age_s`. Returns the deleted names (and leftover keys)."""
+        the newest committed manifest (a newer one may be an upload in progress), attempt
+        folders of committed checkpoints that their manifest does not name (a retry that
+        never sealed), equally old, and `.tmp-` objects and unfinished multipart uploads of
+        interrupted writes older than `leftover_age_s` (with a local folder that held
+        nothing else). Returns the deleted names (and leftover keys).
+
+        Retention is housekeeping: a deletion that fails is logged as a warning and the
+        rest goes on (the next retention tries again); it never makes a checkpoint fail."""
         if keep_last < 1:
             raise ValueError(f"apply_retention: keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept")
         if keep_every < 0:
@@ -425,13 +549,71 @@ class CheckpointStore:
         doomed = self._older_than_newest_good([c for c in committed if c.name not in keep], committed)
         deleted = []
         for info in doomed:
-            self.delete(info.name)
-            deleted.append(info.name)
-        if committed:
-            deleted += self._delete_uncommitted(self.store.modified(self._key(committed[-1].name, MANIFEST)))
-        deleted += self.store.clean_leftovers(self.prefix, older_than_s=leftover_age_s)
+            if self._tidy(f"deleting checkpoint {info.name}", self.delete, info.name) is not _FAILED:
+                deleted.append(info.name)
+        newest = self._tidy("reading the newest manifest's time", self.store.modified, self._key(committed[-1].name, MANIFEST)) if committed else _FAILED
+        if newest is not _FAILED:
+            gone = {c.name for c in doomed}
+            for what, step in (
+                ("deleting uncommitted uploads", lambda: self._delete_uncommitted(newest)),
+                ("deleting unsealed attempts", lambda: self._delete_stale_attempts([c for c in committed if c.name not in gone], newest)),
+            ):
+                done = self._tidy(what, step)
+                deleted += done if done is not _FAILED else []
+        removed = self._tidy("deleting leftovers of interrupted writes", self.store.clean_leftovers, self.prefix, older_than_s=leftover_age_s)
+        if removed is not _FAILED:
+            deleted += removed
+            emptied = self._tidy("removing emptied folders", self._drop_emptied, removed)
+            deleted += emptied if emptied is not _FAILED else []
         if deleted:
             log.info("retention under %s deleted %s", self.store.uri(self.prefix), ", ".join(deleted))
+        return deleted
+
+    def _tidy(self, what: str, fn: Callable[..., T], *args, **kwargs) -> T | object:
+        """`fn(...)`, or `_FAILED` after a warning when it raised."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - retention must not fail a checkpoint
+            log.warning("retention under %s: %s failed (%s: %s); the next retention tries again",
+                        self.store.uri(self.prefix), what, type(exc).__name__, exc)  # fmt: skip
+            return _FAILED
+
+    def _drop_emptied(self, removed: list[str]) -> list[str]:
+        """The checkpoint folders whose last files were the `.tmp-` leftovers just
+        `removed`, removed in turn (a local folder outlives its files; only empty folders
+        go, so a write that has just begun in one keeps it)."""
+        out = []
+        inside = self.prefix + "/"
+        for name in sorted({k[len(inside) :].partition("/")[0] for k in removed if k.startswith(inside)}):
+            if not is_valid_id(name) or self.store.list(self._key(name)):
+                continue
+            if self._tidy(f"removing the empty folder of {name}", self.store.remove_empty_folders, self._key(name)) is True:
+                out.append(name)
+        return out
+
+    def _delete_stale_attempts(self, committed: list[CheckpointInfo], newest_manifest: datetime) -> list[str]:
+        """Attempt folders under committed checkpoints that their manifest does not name,
+        all of whose objects are older than the newest manifest."""
+        folders: dict[tuple[str, str], list[str]] = {}
+        by_name = {c.name: c for c in committed}
+        for key in self.store.list(self.prefix):
+            name, _, rest = key[len(self.prefix) + 1 :].partition("/")
+            folder = rest.partition("/")[0]
+            info = by_name.get(name)
+            if info is None or not folder.startswith(ATTEMPT_PREFIX) or folder == info.attempt or "/" not in rest:
+                continue
+            if not info.attempt and rest in info.files:  # a file of a checkpoint in the plain layout
+                continue
+            folders.setdefault((name, folder), []).append(key)
+        deleted = []
+        for (name, folder), keys in sorted(folders.items()):
+            try:
+                if not all(self.store.modified(k) < newest_manifest for k in keys):
+                    continue
+            except FileNotFoundError:
+                continue
+            if self._tidy(f"deleting {name}/{folder}", self.store.delete, self._key(name, folder)) is not _FAILED:
+                deleted.append(f"{name}/{folder}")
         return deleted
 
     def _older_than_newest_good(self, candidates: list[CheckpointInfo], committed: list[CheckpointInfo]) -> list[CheckpointInfo]:
@@ -458,12 +640,13 @@ class CheckpointStore:
         deleted = []
         for name, keys in sorted(self._names()[1].items()):
             try:
-                if all(self.store.modified(k) < newest_manifest for k in keys):
-                    self.store.delete(self._key(name))
-                    deleted.append(name)
+                if not all(self.store.modified(k) < newest_manifest for k in keys):
+                    continue
             except FileNotFoundError:  # removed meanwhile
                 continue
+            if self._tidy(f"deleting the uncommitted upload {name}", self.store.delete, self._key(name)) is not _FAILED:
+                deleted.append(name)
         return deleted
 
 
-__all__ = ["CheckpointInfo", "CheckpointStore", "CorruptCheckpoint", "MANIFEST"]
+__all__ = ["CheckpointInfo", "CheckpointStore", "CorruptCheckpoint", "MANIFEST", "SealMismatch"]

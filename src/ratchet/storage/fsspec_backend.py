@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 import fsspec
 
+from ratchet.private_paths import make_private_dirs
+
 from .backends import fsync_dir, part_size_for, upload_parts
 from .keys import check_path
 from .s3_env import S3Settings, redact
@@ -87,8 +89,11 @@ class FsspecBackend:
     def _sync(self, f) -> None:
         # Local folders: the bytes reach the disk before the rename publishes them, so a
         # machine crash leaves the old object or the new one, never an empty new name.
+        # And they are private (0600 in 0700 folders, whatever the umask): a local store
+        # holds weights, prompts and responses.
         if self.is_local:
             f.flush()
+            os.fchmod(f.fileno(), 0o600)
             os.fsync(f.fileno())
 
     def _move_into_place(self, tmp: str, path: str) -> None:
@@ -97,7 +102,11 @@ class FsspecBackend:
             fsync_dir(os.path.dirname(path))
 
     def _tmp_for(self, path: str) -> str:
-        self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+        folder = path.rpartition("/")[0]
+        if self.is_local:
+            make_private_dirs(folder)
+        else:
+            self.fs.makedirs(folder, exist_ok=True)
         return f"{path}.tmp-{uuid.uuid4().hex}"
 
     def _discard(self, tmp: str) -> None:

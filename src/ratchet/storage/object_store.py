@@ -41,6 +41,7 @@ from typing import Any, BinaryIO, TypeVar
 import tenacity
 
 from ratchet.ids import check_id
+from ratchet.private_paths import make_private_dirs
 
 from . import schemes
 from .backends import Backend, fsync_dir, fsync_file
@@ -257,6 +258,21 @@ class ObjectStore:
             log.info("%s: removed %d leftovers of interrupted writes: %s", self.uri(prefix), len(removed), ", ".join(removed[:10]))
         return removed
 
+    def remove_empty_folders(self, prefix: str) -> bool:
+        """A local folder store: remove the folder `prefix` and the folders below it that
+        hold no file (a folder outlives its last file there; object stores have no
+        folders). Only empty folders go (`rmdir`), so a write that has just begun in one
+        keeps it. True when `prefix` is gone afterwards."""
+        if self.protocol != "file":
+            return False
+        top = self.path(prefix)
+        for folder, _, _ in os.walk(top, topdown=False):
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty (or gone): kept
+                continue
+        return not os.path.exists(top)
+
     # ------------------------------------------------------------------ large objects
 
     def put_file(self, key: str, local_path: str | os.PathLike) -> Transfer:
@@ -296,7 +312,7 @@ class ObjectStore:
         part = local.with_name(local.name + ".part")
         path = self.path(key)
         size = self.size(key)
-        local.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(local.parent)
         if part.exists() and part.stat().st_size > size:  # not a prefix of this object
             part.unlink()
         digest = _Digest() if checksum else None
@@ -304,7 +320,8 @@ class ObjectStore:
 
         def attempt() -> None:
             nonlocal digest, fetched
-            with open(part, "ab") as f:
+            # 0600: a download is a checkpoint's weights or a run's batches
+            with open(os.open(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as f:
                 offset = f.tell()
                 if digest is not None and digest.count != offset:
                     # bytes from an earlier call, or hashed but never written when an

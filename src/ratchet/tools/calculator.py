@@ -2,8 +2,16 @@
 
 Only numbers, + - * / // % **, unary signs, parentheses and a few functions (abs, min,
 max, round, sqrt) are accepted; a name, an attribute, a call to anything else
-(`__import__`, `open`) is refused before anything runs. Sizes are bounded (expression
-length, exponent, result digits) so a call cannot take the worker's memory or time.
+(`__import__`, `open`) is refused before anything runs.
+
+Every step's cost is bounded before it runs, not after: the evaluation holds the
+interpreter lock, so a step that runs long freezes every thread of the rollout actor and
+the tool's timeout cannot fire. The expression's length bounds the number of steps; every
+value has at most `max_digits` digits (checked after each step); and the two operations
+whose cost grows with an argument's value are checked before they run: `**` (the result's
+size, estimated from the operands' bit lengths) and `round(x, ndigits)` (|ndigits| at most
+`max_digits`: rounding an integer to -10**99 digits would compute 10**10**99). The
+configurable bounds are themselves capped.
 """
 
 from __future__ import annotations
@@ -41,8 +49,36 @@ DEFAULT_SCHEMA = {
 }
 
 
+# Caps on the config's bounds: a step on numbers of these sizes takes microseconds, and
+# str() of such an integer stays under Python's 4300-digit conversion limit.
+MAX_LENGTH_CAP = 10_000
+MAX_DIGITS_CAP = 4_000
+MAX_EXPONENT_CAP = 100_000
+_LOG10_2 = math.log10(2)
+
+
+def _check_pow(left: int | float, right: int | float, max_exponent: int, max_digits: int) -> None:
+    """Refuse a power whose exponent or integer result is too large, before computing it."""
+    if abs(right) > max_exponent:
+        raise ToolError(f"exponent larger than {max_exponent}")
+    if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
+        if (abs(left).bit_length() - 1) * right * _LOG10_2 >= max_digits:  # a lower bound of the result's digits
+            raise ToolError(f"result has more than {max_digits} digits")
+
+
+def _check_call(name: str, args: list[int | float], max_digits: int) -> None:
+    """Refuse a function argument whose cost grows with its value, before the call."""
+    if name == "round" and len(args) == 2:
+        ndigits = args[1]
+        if isinstance(ndigits, int) and abs(ndigits) > max_digits:
+            raise ToolError(f"round: ndigits must be between -{max_digits} and {max_digits}")
+
+
 def evaluate(expression: str, *, max_length: int = 200, max_exponent: int = 1000, max_digits: int = 100) -> int | float:
     """The value of an arithmetic `expression`; ToolError for anything else."""
+    if not (0 < max_length <= MAX_LENGTH_CAP and 0 < max_digits <= MAX_DIGITS_CAP and 0 < max_exponent <= MAX_EXPONENT_CAP):
+        raise ToolError(f"bounds must be at most max_length {MAX_LENGTH_CAP}, max_digits {MAX_DIGITS_CAP}, max_exponent {MAX_EXPONENT_CAP}")
+    limit = 10**max_digits
     if len(expression) > max_length:
         raise ToolError(f"expression longer than {max_length} characters")
     try:
@@ -51,7 +87,9 @@ def evaluate(expression: str, *, max_length: int = 200, max_exponent: int = 1000
         raise ToolError(f"not an arithmetic expression: {e.msg}") from None
 
     def number(value: Any) -> int | float:
-        if isinstance(value, int) and abs(value) >= 10**max_digits:
+        if not isinstance(value, (int, float)):  # (-8) ** 0.5 is complex
+            raise ToolError("result is not a real number")
+        if isinstance(value, int) and abs(value) >= limit:
             raise ToolError(f"result has more than {max_digits} digits")
         if isinstance(value, float) and not math.isfinite(value):
             raise ToolError("result is not a finite number")
@@ -64,8 +102,8 @@ def evaluate(expression: str, *, max_length: int = 200, max_exponent: int = 1000
             return number(node.value)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = walk(node.left), walk(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > max_exponent:
-                raise ToolError(f"exponent larger than {max_exponent}")
+            if isinstance(node.op, ast.Pow):
+                _check_pow(left, right, max_exponent, max_digits)
             try:
                 return number(_BINARY[type(node.op)](left, right))
             except ZeroDivisionError:
@@ -75,9 +113,11 @@ def evaluate(expression: str, *, max_length: int = 200, max_exponent: int = 1000
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return number(_UNARY[type(node.op)](walk(node.operand)))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS and not node.keywords:
+            args = [walk(a) for a in node.args]
+            _check_call(node.func.id, args, max_digits)
             try:
-                return number(_FUNCTIONS[node.func.id](*[walk(a) for a in node.args]))
-            except (TypeError, ValueError) as e:
+                return number(_FUNCTIONS[node.func.id](*args))
+            except (TypeError, ValueError, OverflowError) as e:
                 raise ToolError(f"{node.func.id}: {e}") from None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             what = f"calling {node.func.id}"
@@ -105,6 +145,9 @@ class Calculator:
         self.config = take_config(
             config, {"timeout_s": DEFAULT_TIMEOUT_S, "max_length": 200, "max_exponent": 1000, "max_digits": 100}, where
         )
+        for key, cap in (("max_length", MAX_LENGTH_CAP), ("max_digits", MAX_DIGITS_CAP), ("max_exponent", MAX_EXPONENT_CAP)):
+            if self.config[key] > cap:
+                raise ValueError(f"{where}.{key}: at most {cap} (a larger bound lets one step run for minutes), got {self.config[key]!r}")
         tool_schema = tool_schema or DEFAULT_SCHEMA
         self.name = schema_name(tool_schema) or "calculator"
         self.parameters = schema_parameters(tool_schema)

@@ -12,8 +12,10 @@ TOOL_CLASSES: dict[str, str] = {
     "ratchet.tools.calculator.Calculator": "ratchet.tools.calculator:Calculator",
     "code_runner": "ratchet.tools.code_runner:CodeRunner",
     "ratchet.tools.code_runner.CodeRunner": "ratchet.tools.code_runner:CodeRunner",
-    # verl's sandboxed code tool takes the same `code` argument; ours runs it locally.
-    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "ratchet.tools.code_runner:CodeRunner",
+    # verl's remote code tool: a client of a SandboxFusion server at config.sandbox_fusion_url.
+    "sandbox_fusion": "ratchet.tools.sandbox_fusion:SandboxFusionTool",
+    "ratchet.tools.sandbox_fusion.SandboxFusionTool": "ratchet.tools.sandbox_fusion:SandboxFusionTool",
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "ratchet.tools.sandbox_fusion:SandboxFusionTool",
 }
 
 

@@ -1,21 +1,21 @@
-"""A code runner tool: Python code in a subprocess of its own, with limits.
+"""A code runner tool: model-written Python in a sandbox (sandbox.py), with limits.
 
-The child runs `python -I` (isolated: no user site, no PYTHON* variables, no current
-folder on the path) in a private temporary folder that is removed afterwards, in a
-session of its own (a timeout kills the whole process group), with resource limits set
-by `resource.setrlimit` before it starts: CPU seconds (RLIMIT_CPU), address space
-(RLIMIT_AS: the memory limit), file size (RLIMIT_FSIZE: caps what it writes, its output
-included), open files. Its stdout and stderr go to one file in that folder, so the
-output cap is a file-size limit the kernel enforces, not a pipe someone must drain.
+The code runs under bubblewrap in namespaces of its own, with a read-only interpreter and
+standard library, one private writable folder, no network, no shell, nothing of the
+worker's files or secrets, and in a control group of its own that bounds the whole process
+tree (processes, memory, CPU) and is killed on every way out. What it prints comes back
+through a descriptor the worker opened, cut at `max_output_chars`.
 
-It needs no network and is given none to speak of: an empty environment besides PATH
-and a locale. It is not a security boundary against hostile code (no namespaces or
-seccomp); it keeps honest mistakes (an endless loop, a huge list, a flood of output) from
-hurting the worker, and its output is deterministic for deterministic code.
+Where that isolation cannot be had (no bubblewrap, no user namespaces, no writable
+cgroups), the tool refuses to be built (so a run is refused at submit) with the missing
+piece named, unless its config says `unsafe_local: true`: then the code runs in a plain
+subprocess with per-process limits only, which is no boundary against hostile code; the
+run's summary and the UI say so (workflows/search_attributes.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import signal
@@ -23,10 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
+from . import sandbox
 from .base import ToolError, schema_name, schema_parameters, take_config
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SCHEMA = {
     "type": "function",
@@ -43,15 +45,19 @@ DEFAULT_SCHEMA = {
 
 
 class CodeRunner:
-    """verl layout: `class_name: code_runner` (or verl's SandboxFusionTool, which it stands in
-    for); config keys timeout_s (wall clock), cpu_s, memory_mb, max_output_chars."""
+    """verl layout: `class_name: code_runner`; config keys timeout_s (wall clock), cpu_s (CPU
+    seconds of the whole process tree), memory_mb (the tree's memory), processes (the tree's
+    processes and threads), max_output_chars, scratch_mb (its writable folder), python (an
+    interpreter whose site-packages the code may import; default: the worker's interpreter
+    with none), unsafe_local (run without isolation: see the module docstring)."""
 
     def __init__(self, config: dict | None = None, tool_schema: dict | None = None):
         self.config = take_config(
             config,
-            {"timeout_s": 10.0, "cpu_s": 5, "memory_mb": 512, "max_output_chars": 2000, "python": ""},
+            {"timeout_s": 10.0, "cpu_s": 5, "memory_mb": 512, "max_output_chars": 2000, "python": "",
+             "processes": 32, "scratch_mb": 16, "unsafe_local": False},
             "tools.code_runner.config",
-        )
+        )  # fmt: skip
         tool_schema = tool_schema or DEFAULT_SCHEMA
         self.name = schema_name(tool_schema) or "code_interpreter"
         self.parameters = schema_parameters(tool_schema)
@@ -59,19 +65,64 @@ class CodeRunner:
         self.timeout_s = float(self.config["timeout_s"]) + 5.0
         required = self.parameters.get("required") or []
         self.argument = "code" if "code" in (self.parameters.get("properties") or {}) else (required or ["code"])[0]
+        self.unsafe_local = bool(self.config["unsafe_local"])
+        self._interpreter: sandbox.Interpreter | None = None
+        if self.unsafe_local:
+            log.warning(
+                "code runner %s: unsafe_local is set: model code runs WITHOUT isolation (it can read this "
+                "worker's files and secrets, reach the network and outlive the call)", self.name
+            )
+            return
+        try:
+            sandbox.check()
+            self._interpreter = sandbox.interpreter(self.config["python"])
+        except sandbox.SandboxUnavailable as e:
+            raise ValueError(
+                f"{e}. Fix that, or set unsafe_local: true in this tool's config to run model code without "
+                "isolation (only for code you trust; the run is marked unsafe)"
+            ) from None
 
     def __call__(self, args: dict[str, Any]) -> str:
         code = args.get(self.argument)
         if not isinstance(code, str):
             raise ToolError(f"argument {self.argument} must be a string")
-        return run_python(
-            code,
-            timeout_s=float(self.config["timeout_s"]),
-            cpu_s=int(self.config["cpu_s"]),
-            memory_mb=int(self.config["memory_mb"]),
-            max_output_chars=int(self.config["max_output_chars"]),
-            python=self.config["python"] or sys.executable,
-        )
+        c = self.config
+        if self._interpreter is None:
+            return run_python(code, timeout_s=float(c["timeout_s"]), cpu_s=int(c["cpu_s"]), memory_mb=int(c["memory_mb"]),
+                              max_output_chars=int(c["max_output_chars"]), python=c["python"] or sys.executable)  # fmt: skip
+        max_chars = int(c["max_output_chars"])
+        limits = sandbox.Limits(
+            wall_s=float(c["timeout_s"]), cpu_s=int(c["cpu_s"]), memory_mb=int(c["memory_mb"]), processes=int(c["processes"]),
+            output_bytes=_cap(max_chars), scratch_mb=int(c["scratch_mb"]),
+        )  # fmt: skip
+        done = sandbox.run(code.encode("utf-8", "surrogatepass"), self._interpreter, limits)
+        why = {
+            "wall": f"time limit of {limits.wall_s:g} s exceeded",
+            "cpu": f"CPU time limit of {limits.cpu_s} s exceeded",
+            "memory": f"memory limit of {limits.memory_mb} MB exceeded",
+            "processes": f"process limit of {limits.processes} reached",
+            None: None,
+        }[done.reason]
+        return _observation(done.output, done.returncode, why, max_chars, limits.cpu_s, limits.memory_mb, done.cpu_s)
+
+
+def _cap(max_output_chars: int) -> int:
+    return max_output_chars * 4 + 1  # bytes: up to 4 per character in UTF-8, +1 to see the cut
+
+
+def _observation(raw: bytes, rc: int, why: str | None, max_chars: int, cpu_s: int, memory_mb: int, seconds: float) -> str:
+    """What the model reads: the output (cut at `max_chars`) and a last line saying why the
+    program stopped when it did not exit with 0 or hit a limit."""
+    text = raw.decode("utf-8", errors="replace")
+    cut = len(raw) >= _cap(max_chars) or len(text) > max_chars
+    text = text[:max_chars]
+    if why is None and rc != 0:
+        why = _exit_reason(rc, cpu_s, memory_mb, seconds, text)
+    if cut:
+        text += f"\n[output cut at {max_chars} characters]"
+        if why is None or why.startswith(("exit code", "killed by signal SIGXFSZ")):
+            why = None  # the cut says it: Python ignores SIGXFSZ and fails writing past the cap
+    return text if why is None else f"{text}\n[{why}]" if text else f"[{why}]"
 
 
 def _limits(cpu_s: int, memory_bytes: int, output_bytes: int):
@@ -86,23 +137,24 @@ def _limits(cpu_s: int, memory_bytes: int, output_bytes: int):
 
 
 def run_python(code: str, *, timeout_s: float, cpu_s: int, memory_mb: int, max_output_chars: int, python: str) -> str:
-    """What `code` prints (stdout and stderr interleaved, cut at `max_output_chars`), and a
-    last line saying why it stopped when it did not exit with 0."""
-    cap = max_output_chars * 4 + 1  # bytes: up to 4 per character in UTF-8, +1 to see the cut
-    with tempfile.TemporaryDirectory(prefix="ratchet-code-") as tmp:
-        folder = Path(tmp)
-        (folder / "main.py").write_text(code, encoding="utf-8")
-        out_path = folder / "output.txt"
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
-        started = time.monotonic()
-        with open(out_path, "wb") as out:
+    """unsafe_local: `code` in a plain subprocess with per-process limits, in a private
+    temporary folder. What it prints goes to a memfd the parent made and reads at most the
+    cap of, never to a path the child could replace."""
+    cap = _cap(max_output_chars)
+    out_fd = os.memfd_create("ratchet-code-output", 0)
+    try:
+        with tempfile.TemporaryDirectory(prefix="ratchet-code-") as tmp:
+            with open(os.path.join(tmp, "main.py"), "w", encoding="utf-8") as f:
+                f.write(code)
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
+            started = time.monotonic()
             proc = subprocess.Popen(
                 [python, "-I", "-X", "utf8", "main.py"],
                 cwd=tmp,
                 env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
+                stdout=out_fd,
+                stderr=out_fd,
                 start_new_session=True,
                 preexec_fn=_limits(cpu_s, memory_mb * 1024 * 1024, cap),
             )
@@ -112,17 +164,10 @@ def run_python(code: str, *, timeout_s: float, cpu_s: int, memory_mb: int, max_o
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 rc, why = proc.wait(), f"time limit of {timeout_s:g} s exceeded"
-        raw = out_path.read_bytes()
-        text = raw.decode("utf-8", errors="replace")
-        cut = len(raw) >= cap or len(text) > max_output_chars
-        text = text[:max_output_chars]
-        if why is None and rc != 0:
-            why = _exit_reason(rc, cpu_s, memory_mb, time.monotonic() - started, text)
-        if cut:
-            text += f"\n[output cut at {max_output_chars} characters]"
-            if why is None or why.startswith(("exit code", "killed by signal SIGXFSZ")):
-                why = None  # the cut says it: Python ignores SIGXFSZ and fails writing past the cap
-        return text if why is None else f"{text}\n[{why}]" if text else f"[{why}]"
+        raw = os.pread(out_fd, cap, 0)
+    finally:
+        os.close(out_fd)
+    return _observation(raw, rc, why, max_output_chars, cpu_s, memory_mb, time.monotonic() - started)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -138,5 +183,8 @@ def _exit_reason(rc: int, cpu_s: int, memory_mb: int, seconds: float, text: str)
     if "MemoryError" in text:
         return f"memory limit of {memory_mb} MB exceeded"
     if rc < 0:
-        return f"killed by signal {signal.Signals(-rc).name}"
+        try:
+            return f"killed by signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
     return f"exit code {rc}"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ratchet.config.resume_keys import flatten
+from ratchet.private_paths import make_private_dirs
 
 from .base import RunInfo
 from .uris import MLFLOW_ARTIFACTS, mlflow_artifacts_dir, mlflow_uri, redact
@@ -62,8 +63,8 @@ def create_sqlite_store(path: Path) -> None:
     artifact location (the one path MLflow writes into a new store) and times are set."""
     if path.exists():
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    artifacts = path.parent / MLFLOW_ARTIFACTS
+    make_private_dirs(path.parent)
+    artifacts = make_private_dirs(path.parent / MLFLOW_ARTIFACTS)  # MLflow writes what runs log here
     template = schema_template()
     if template is None:
         _build_store(path, artifacts)
@@ -92,7 +93,7 @@ def schema_template() -> Path | None:
     if template.exists():
         return template
     try:
-        cache.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(cache)
         _build_store(template, cache / "mlflow-template-artifacts")
     except OSError:
         return None
@@ -113,6 +114,7 @@ def _build_store(path: Path, artifacts: Path) -> None:
 
 
 def _link_into_place(tmp: Path, path: Path) -> None:
+    os.chmod(tmp, 0o600)  # the store holds every run's params and metrics: its user's alone
     try:
         os.link(tmp, path)  # fails if another process got there first: theirs stays
     except FileExistsError:

@@ -14,6 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping
 
+from ratchet.private_paths import make_private_dirs
+
 from .base import RunInfo
 from .uris import WANDB_DIR, state_dir
 
@@ -34,7 +36,7 @@ class WandbTracker:
     def start_or_continue(self, run: RunInfo, saved: Mapping[str, Any]) -> dict[str, Any]:
         import wandb
 
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.dir)  # offline runs keep every logged value here
         settings = wandb.Settings(silent=True, console="off", save_code=False, disable_git=True, x_disable_stats=True)
         self.run = wandb.init(
             project=self.project or run.experiment,

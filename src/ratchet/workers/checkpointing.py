@@ -250,8 +250,12 @@ def write_snapshot(snap: TrainerSnapshot, local_dir: str | Path) -> int:
     def write_meta() -> None:
         if snap.rank == 0:
             tmp = out / f".{RunLayout.TRAINER_META}.tmp"
-            tmp.write_text(json.dumps(snap.meta, indent=1, sort_keys=True))
-            os.replace(tmp, out / RunLayout.TRAINER_META)
+            try:
+                tmp.write_text(json.dumps(snap.meta, indent=1, sort_keys=True))
+                os.replace(tmp, out / RunLayout.TRAINER_META)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk must not leave it in the folder (it would be uploaded)
+                raise
 
     # The local steps of one rank (its disk) can fail alone; the ranks agree on them
     # before going on, so that no rank waits in a collective the failed one never joins.

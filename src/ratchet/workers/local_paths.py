@@ -23,22 +23,18 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 from ratchet.ids import check_id
+from ratchet.private_paths import UnsafeLocalDir
+from ratchet.private_paths import ensure_private_dir as _ensure_private_dir
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "RATCHET_CACHE_DIR"
-
-
-class UnsafeLocalDir(PermissionError):
-    """A local folder ratchet would write private data into is owned, or writable, by
-    someone else."""
 
 
 _lock = threading.Lock()
@@ -46,29 +42,9 @@ _fallback: Path | None = None
 
 
 def ensure_private_dir(path: str | os.PathLike) -> Path:
-    """`path` as a folder owned by this user with mode 0700 (created if missing).
-    UnsafeLocalDir when it is a link, not a folder, owned by another user, or writable by
-    the group or others (someone else may already have put files in it)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    fix = f"remove it, or set {ENV_VAR} to a folder of your own"
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise UnsafeLocalDir(f"{path} is a link or not a folder; ratchet keeps private files there only in a real folder: {fix}")
-    if st.st_uid != os.getuid():
-        raise UnsafeLocalDir(f"{path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}): {fix}")
-    if st.st_mode & 0o022:
-        raise UnsafeLocalDir(
-            f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), so its contents cannot be trusted: "
-            f"{fix} (or empty it and `chmod 700 {path}`)"
-        )
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)  # readable by others: only narrowed, nobody else could write in it
-    return path
+    """`path` as a folder owned by this user with mode 0700 (created if missing); the
+    check is `ratchet.private_paths.ensure_private_dir`, shared with the state folder."""
+    return _ensure_private_dir(path, f"remove it, or set {ENV_VAR} to a folder of your own")
 
 
 def private_base() -> Path:

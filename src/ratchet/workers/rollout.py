@@ -331,9 +331,12 @@ class RolloutWorker:
         `local_file`: the version's weights, written as they streamed into the engine."""
         self.run.put_file(RunLayout.policy_log(version), local_file)
         keep_from = version - self.cfg.loop.max_staleness - self.cfg.loop.sync_every
-        for key in self.run.list(RunLayout.POLICY_LOG):
-            if RunLayout.policy_log_version(key) < keep_from:
-                self.run.delete(key)
+        try:
+            for key in self.run.list(RunLayout.POLICY_LOG):
+                if RunLayout.policy_log_version(key) < keep_from:
+                    self.run.delete(key)
+        except Exception as e:  # noqa: BLE001 - pruning is housekeeping: the next version's log prunes again
+            log.warning("policy v%d is logged; pruning older logged versions failed: %s: %s", version, type(e).__name__, e)
 
     # -- one generation at a time, and weights that change between decode steps ----------
 
@@ -350,15 +353,22 @@ class RolloutWorker:
         (a generation that ends must not fail for it)."""
         writer = None
         self._prefetched = None  # generated with the weights being replaced
+        folder = Path(tempfile.mkdtemp(prefix="ratchet-policy-log-")) if record else None
         try:
             buckets = source.buckets()
-            if record:  # a deterministic run's policy log, written as the weights stream past
-                writer = SafetensorsWriter(source.manifest(), Path(tempfile.mkdtemp(prefix="ratchet-policy-log-")) / "w.safetensors")
+            if folder is not None:  # a deterministic run's policy log, written as the weights stream past
+                writer = SafetensorsWriter(source.manifest(), folder / "w.safetensors")
                 buckets = writer.tee(buckets)
             self.engine.load_weights(pairs(buckets, source.manifest().aliases))
-        except BaseException as e:
             if writer is not None:
-                writer.discard()
+                # The version is served only once its log is stored (a deterministic run may
+                # ask for it again); a stream that ended short loaded part of it: neither.
+                try:
+                    logged = writer.finish()
+                except ValueError as e:
+                    raise RuntimeError(f"the weights of policy v{version}: {e}; not served, not logged") from None
+                self._log_policy(logged, version)
+        except BaseException as e:
             source.close(f"{type(e).__name__}: {e}")
             if source.started:
                 log.error("loading policy v%d failed halfway (%s); the engine's weights are torn until reloaded", version, e)
@@ -369,13 +379,12 @@ class RolloutWorker:
                 self._cv.notify_all()
                 return
             raise
+        finally:
+            if writer is not None:
+                writer.discard()
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
         self.version = version
-        if writer is not None:
-            path = writer.finish()
-            try:
-                self._log_policy(path, version)
-            finally:
-                shutil.rmtree(path.parent, ignore_errors=True)
 
     def _swap(self) -> int | None:
         """Called by the generating thread between decode steps. A load that failed ends

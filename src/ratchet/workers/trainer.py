@@ -494,14 +494,16 @@ class TrainerWorker:
                 return None
 
         try:
-            if self.rank == 0:
-                # Before any rank uploads a byte (they upload only after the barrier that
-                # ends write_snapshot): an earlier attempt's manifest must not cover new bytes.
-                attempt(lambda: ckpts.begin(name))
+            # Rank 0 picks where this attempt writes (a committed checkpoint of this name,
+            # from an earlier try, stays whole until the new manifest replaces it), and
+            # every rank learns it before uploading a byte.
+            begun = attempt(lambda: ckpts.begin(name)) if self.rank == 0 else None
             attempt(lambda: write_snapshot(snap, local / RunLayout.TRAINER_STATE), collective=True)
             if self.rank == 0:
                 attempt(lambda: self._write_rank0_files(local, full_state, run_state, extra_files))
-            files = attempt(lambda: ckpts.upload(name, local)) or {}
+            told = attempt(lambda: all_ranks(begun, snap.world_size, snap.process_group), collective=True)
+            folder = told[0] if told else None  # None: rank 0 failed to begin, and reports it
+            files = (attempt(lambda: ckpts.upload(name, local, folder)) if folder is not None else None) or {}
             outcomes = attempt(lambda: all_ranks((failure[0] if failure else None, files), snap.world_size, snap.process_group), collective=True)
             if outcomes is None:  # the exchange itself failed: the ranks cannot agree on anything
                 self._checkpoint_error = "; ".join(failure)
@@ -511,7 +513,7 @@ class TrainerWorker:
                 self._checkpoint_error = "; ".join(errors)
                 return
             if self.rank == 0:
-                attempt(lambda: self._seal(ckpts, name, [f for _, f in outcomes], meta))
+                attempt(lambda: self._seal(ckpts, name, [f for _, f in outcomes], meta, folder or ""))
                 self._checkpoint_error = failure[0] if failure else None
         finally:
             shutil.rmtree(local, ignore_errors=True)
@@ -534,18 +536,23 @@ class TrainerWorker:
             (local / rel).parent.mkdir(parents=True, exist_ok=True)
             (local / rel).write_bytes(data)
 
-    def _seal(self, ckpts: CheckpointStore, name: str, uploads: list[dict], meta: dict) -> None:
+    def _seal(self, ckpts: CheckpointStore, name: str, uploads: list[dict], meta: dict, folder: str) -> None:
         """Rank 0: the manifest over every rank's uploaded files (a name uploaded by two
-        ranks would be a bug: refused), then retention."""
+        ranks would be a bug: refused; stored bytes other than those sent: SealMismatch,
+        nothing committed, and the checkpoint is taken again), then retention, whose
+        errors are warnings: the checkpoint is committed whatever retention does."""
         files: dict = {}
         for rank, uploaded in enumerate(uploads):
             twice = sorted(set(files) & set(uploaded))
             if twice:
                 raise RuntimeError(f"checkpoint {name}: trainer rank {rank} uploaded files another rank did too: {twice[:3]}")
             files.update(uploaded)
-        ckpts.seal(name, files, meta)
+        ckpts.seal(name, files, meta, folder)
         c = self.cfg.checkpoint
-        ckpts.apply_retention(keep_last=c.keep_last, keep_every=c.keep_every)
+        try:
+            ckpts.apply_retention(keep_last=c.keep_last, keep_every=c.keep_every)
+        except Exception as e:  # noqa: BLE001 - housekeeping; the next checkpoint's retention tries again
+            log.warning("checkpoint %s is committed; retention of older checkpoints failed: %s: %s", name, type(e).__name__, e)
 
     def _write_hf(self, state: dict, out: Path) -> None:
         """The policy with weights `state` as a Hugging Face folder (safetensors) in `out`,

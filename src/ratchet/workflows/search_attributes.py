@@ -144,6 +144,19 @@ def resumed_attributes(config: Mapping[str, Any], lineage: RunLineage | None, st
     return TypedSearchAttributes([p if p.key.name != STEP.name else SearchAttributePair(STEP, step) for p in attrs])
 
 
+def unsafe_tools(config: Mapping[str, Any]) -> list[str]:
+    """The tools of a multi-turn run that run model code without isolation (`unsafe_local:
+    true` in their config, tools/code_runner.py), by the name the model calls them."""
+    if not _get(config, "rollout.multi_turn.enabled", False):
+        return []
+    names = []
+    for tool in _get(config, "rollout.multi_turn.tools", None) or []:
+        if isinstance(tool, Mapping) and isinstance(tool.get("config"), Mapping) and tool["config"].get("unsafe_local") is True:
+            fn = (tool.get("tool_schema") or {}).get("function") or {}
+            names.append(str(fn.get("name") or tool.get("class_name")))
+    return names
+
+
 def static_summary(run_id: str, config: Mapping[str, Any], lineage: RunLineage | None = None) -> str:
     """One line: what the run is. Shown as the workflow's summary in the UI's list and page."""
     lineage = lineage or RunLineage()
@@ -156,6 +169,9 @@ def static_summary(run_id: str, config: Mapping[str, Any], lineage: RunLineage |
         line += f" · sweep {lineage.sweep_id} trial {lineage.trial_index}"
     if lineage.parent_run_id:
         line += f" · fork of {lineage.parent_run_id}" + (f" at {lineage.parent_checkpoint}" if lineage.parent_checkpoint else "")
+    unsafe = unsafe_tools(config)
+    if unsafe:
+        line += f" · UNSAFE: model code runs unsandboxed ({', '.join(unsafe)})"
     return line
 
 
@@ -197,6 +213,9 @@ def static_details(run_id: str, config: Mapping[str, Any], lineage: RunLineage |
         lines.append(f"- forked from: `{lineage.parent_run_id}`" + (f" at `{lineage.parent_checkpoint}`" if lineage.parent_checkpoint else ""))
     if lineage.sweep_id:
         lines.append(f"- sweep: `{lineage.sweep_id}`, trial {lineage.trial_index}")
+    unsafe = unsafe_tools(config)
+    if unsafe:
+        lines.append(f"- **UNSAFE**: tool(s) {', '.join(f'`{n}`' for n in unsafe)} run model code without the sandbox (`unsafe_local: true`)")
     return "\n".join(lines)
 
 
@@ -278,5 +297,5 @@ __all__: Sequence[str] = (
     "ALL_KEYS", "ALGORITHM", "EVAL_REWARD", "EXPERIMENT", "LOOP_MODE", "MEANING", "MODEL", "PARENT", "REWARD",
     "STATUS", "STEP", "SWEEP", "Status", "activity_summary", "create_commands", "current_details", "dev_server_flags",
     "initial_attributes", "missing_from", "progress_updates", "resumed_attributes", "static_details", "static_summary",
-    "type_name",
+    "type_name", "unsafe_tools",
 )  # fmt: skip

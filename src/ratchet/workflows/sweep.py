@@ -14,7 +14,8 @@ decides in workflow code, on values that are in the history. A trial waits at ea
 until it is judged (its `hold_at_steps`): one to stop gets the training workflow's own
 `stop` signal (it evaluates, exports and completes) and is marked pruned, the others
 `pass_rung`. A trial never runs a step past a rung it was stopped at, however fast its
-steps and however slow the sweep's worker. Signals `pause`, `resume` and `cancel` act on
+steps and however slow the sweep's worker; nor past a step it was stopped in as it continued
+as new (the training workflow ends there instead). Signals `pause`, `resume` and `cancel` act on
 the whole sweep: the running trials are paused, resumed or stopped, and no new trial
 starts while paused or once cancelled.
 

@@ -34,7 +34,10 @@ The workflow is the controller with the global view (HybridFlow): it owns the ru
 workers are caches of that state. Everything here is deterministic (docs/design.md, rule 8):
 no torch, no Ray, no clocks but `workflow.now()`; activities are called by name with
 dataclasses from `ratchet.types`. `pause`, `resume`, `stop`, `drain` (move off a node about to go) and the `set_params`
-update (live hyper-parameters: workflows/live.py) take effect at a step boundary in every mode.
+update (live hyper-parameters: workflows/live.py) take effect at a step boundary in every mode,
+and none is lost to a continue-as-new: a stop received in the step that continues as new ends
+the run there, a pause or a drain travels in `TrainingInput.carried`, live changes and a
+sweep's rung verdicts in the run state.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from ratchet.types import (
     CheckpointInput,
     CheckpointOutput,
     BatchStatus,
+    CarriedCommands,
     EvacuateInput,
     EvacuateOutput,
     EvalInput,
@@ -104,19 +108,26 @@ ADMISSION_QUEUE = "admission-queue"
 # Sync mode hands a step's metrics line to the next step's activity to write, instead of
 # a local activity that holds the workflow task scheduling that step (~8 ms a step).
 RECORD_IN_NEXT_STEP = "record-in-next-step"
+# A stop received in the step that continues as new ends the run there (it used to be
+# dropped with the workflow's flags); runs recorded before it continued as new.
+STOP_BEFORE_CONTINUE_AS_NEW = "stop-before-continue-as-new"
 # One `admit_run` attempt answers within 4 minutes (a change of place, or still queued).
 ADMIT_TIMEOUT = timedelta(minutes=10)
 
 
 @workflow.defn(name="TrainingWorkflow")
 class TrainingWorkflow:
-    def __init__(self) -> None:
+    @workflow.init
+    def __init__(self, inp: TrainingInput) -> None:
         self._state: RunState | None = None
         self._plan: LoopPlan | None = None
         self._run_id = ""
         self._phase = "starting"
         self._tokens_per_second: float | None = None
-        self._paused = False
+        # A pause, and nodes to drain, that the run before a continue-as-new had received
+        # and not acted on (TrainingInput.carried): taken here, so that a signal of the
+        # first task (a resume) applies on top of them.
+        self._paused = inp.carried.paused
         self._held_at_boundary = False  # the loop waits at a step boundary while paused
         self._stopping = False
         self._live = live.LiveSettings()  # hyper-parameters set while the run trains (set_params)
@@ -132,7 +143,7 @@ class TrainingWorkflow:
         self._recording: asyncio.Future | None = None  # the latest step's metrics line, being written
         self._unwritten: StepRecord | None = None  # sync mode: the latest line, for the next step to write
         self._search_attributes = False  # the namespace has them: upsert (TrainingInput.search_attributes)
-        self._draining: list[str] = []  # Ray node ids about to go (`drain`), not yet moved off
+        self._draining: list[str] = list(inp.carried.draining)  # Ray node ids about to go (`drain`), not yet moved off
         self._left_queue = False  # stopped while it waited in the admission queue: nothing was built
         # What the run does before its first step, in words ("warm-up (10 steps)", "starting
         # workers", "restoring from step-00000029"); the progress query shows it as the phase.
@@ -273,12 +284,17 @@ class TrainingWorkflow:
         await self._records_written()
         if self._stop_needs_checkpoint(state, plan) and workflow.patched(CHECKPOINT_ON_STOP):
             await self._checkpoint(state)
+        if can and self._stopping and workflow.patched(STOP_BEFORE_CONTINUE_AS_NEW):
+            can = False  # stopped during the step that asked for continue-as-new: it ends here
         if can:
             self._phase = "continuing"
             self._live.apply(state)  # a change not yet applied travels in the state
+            # A pause or a drain not yet acted on goes to the next run, which holds (or moves
+            # off the nodes) at its first step boundary; left behind, the run would train on.
+            carried = CarriedCommands(paused=self._paused, draining=list(self._draining))
             # The workers and the version floor carry over as they are: the next run only
             # takes the state (restore=False), it does not rebuild from a checkpoint again.
-            workflow.continue_as_new(replace(inp, resume=state, restore=False))
+            workflow.continue_as_new(replace(inp, resume=state, restore=False, carried=carried))
         if plan.evaluate and str(state.next_step) not in state.eval_rewards:
             await self._evaluate(state, state.next_step)
         done: FinishOutput = await self._call("finish_run", FinishInput(state.run, state.policy_version), FinishOutput)
@@ -297,6 +313,7 @@ class TrainingWorkflow:
             warmup_loss_last=state.warmup_loss_last,
             stopped=self._stopping and state.next_step < plan.steps,
             dropped_samples=state.dropped_samples,
+            unsafe_tools=sa.unsafe_tools(inp.config),
         )
 
     def _stop_needs_checkpoint(self, state: RunState, plan: LoopPlan) -> bool:

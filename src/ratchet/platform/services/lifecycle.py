@@ -4,9 +4,13 @@ first), stop only what services.json records, all under the state folder's lock.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
-from . import mlflow_ui, processes, ray_head, ray_nodes, temporal_server
+from ratchet.platform.payload_key import key_file_path, load_key
+from ratchet.private_paths import chmod_private
+
+from . import codec_server, mlflow_ui, processes, ray_head, ray_nodes, temporal_server
 from .ports import check_port_free
 from .report import ServicesStatus, status
 from .settings import PORT_ENV, RAY_WORKER_PORTS, ServiceError, ServiceSettings, object_store_root
@@ -60,6 +64,7 @@ def _check_can_start(settings: ServiceSettings, temporal: bool, ray: bool) -> No
                 "port: set RATCHET_RAY_PORT=<port> (or ServiceSettings(ray_port=...))."
             )
     if temporal:
+        load_key(key_file_path(settings.state_dir))  # created if missing; a bad key file is named now
         check_port_free(settings, "temporal_port", "Temporal frontend", settings.host)
         check_port_free(settings, "temporal_ui_port", "Temporal web UI", settings.host)
     if ray:
@@ -76,7 +81,8 @@ def up(settings: ServiceSettings | None = None) -> ServicesStatus:
     settings = settings or ServiceSettings.from_env()
     started: list[str] = []
     with locked(settings):
-        settings.logs_dir.mkdir(parents=True, exist_ok=True)
+        settings.ensure_private_subdir(settings.logs_dir)
+        _narrow_state_entries(settings)
         state = load_state(settings)
         services = state["services"]
         rec_t, rec_r = services.get("temporal"), services.get("ray")
@@ -95,6 +101,8 @@ def up(settings: ServiceSettings | None = None) -> ServicesStatus:
                 save_state(settings, state)
 
         _check_can_start(settings, need_temporal, need_ray)
+        if not need_temporal:
+            _ensure_codec_server(settings, state)
         if need_temporal:
             services["temporal"] = temporal_server.start(settings)
             started.append("temporal")
@@ -107,11 +115,38 @@ def up(settings: ServiceSettings | None = None) -> ServicesStatus:
         mlflow_ui.ensure(settings, state, started)  # in the background; never fails `up`
 
         # Object store: a local folder.
-        object_store_root(settings).mkdir(parents=True, exist_ok=True)
+        settings.ensure_private_subdir(object_store_root(settings))
 
     result = status(settings)
     result.started = started
     return result
+
+
+def _narrow_state_entries(settings: ServiceSettings) -> None:
+    """What an older ratchet left in the state folder with group or other bits (the
+    databases, logs, runs/) becomes 0600/0700; below a 0700 folder the rest is closed."""
+    for entry in settings.state_dir.iterdir():
+        try:
+            chmod_private(entry)
+        except OSError as exc:  # not ours (made by root?): reported, not fatal
+            logger.warning("cannot make %s private: %s", entry, exc)
+
+
+def _ensure_codec_server(settings: ServiceSettings, state: dict[str, Any]) -> None:
+    """The running Temporal UI's codec server, started again on its port if it died (the
+    UI was started pointing there)."""
+    rec_t = state["services"]["temporal"]
+    rec = rec_t.get("codec_server")
+    if rec is None:
+        logger.warning(
+            "the running Temporal server (pid %s) was started without the UI's codec server, so its UI shows sealed "
+            "payloads; run `ratchet down` and `ratchet up` to restart it with one", rec_t.get("pid"),
+        )  # fmt: skip
+    elif not codec_server.healthy(rec):
+        logger.info("the Temporal UI's codec server (pid %s) is gone; starting it again", rec.get("pid"))
+        codec_server.stop(rec, settings.stop_timeout_s)
+        rec_t["codec_server"] = codec_server.start(settings, Path(rec["key_file"]), rec["port"])
+        save_state(settings, state)
 
 
 def _ensure_nodes(settings: ServiceSettings, state: dict[str, Any], started: list[str]) -> None:

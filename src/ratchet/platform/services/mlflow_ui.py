@@ -68,7 +68,7 @@ def start(settings: ServiceSettings) -> dict[str, Any]:
             "(or ServiceSettings(mlflow_ui_port=...)) and run `ratchet up` again",
         }
     cmd = command(settings)
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    settings.ensure_state_dir()
     env = quiet_mlflow_env(dict(os.environ))
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     proc = processes.spawn_logged(cmd, settings.mlflow_ui_log, settings.state_dir, now(), env=env, keep=True)

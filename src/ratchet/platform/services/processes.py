@@ -16,6 +16,8 @@ from typing import Callable
 
 import psutil
 
+from ratchet.private_paths import PRIVATE_UMASK, make_private_dirs
+
 from .settings import ServiceError
 
 logger = logging.getLogger(__name__)
@@ -188,8 +190,15 @@ def spawn_logged(
     keep: bool = False,
 ) -> subprocess.Popen:
     """Start `cmd` detached, in a new session (its own process group), appending to
-    `log_path`. ``keep``: remember the Popen so that ``reap`` can collect it later."""
-    with open(log_path, "ab") as log:
+    `log_path`. ``keep``: remember the Popen so that ``reap`` can collect it later.
+
+    The log (and its folder) are private, and the service runs with umask 077: what it
+    creates under the state folder (databases, Ray's session files, its workers' output)
+    is its user's alone."""
+    make_private_dirs(log_path.parent)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # a log from before this change
+    with os.fdopen(fd, "ab") as log:
         log.write(f"\n=== {started_at} ratchet: {' '.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(
@@ -201,6 +210,7 @@ def spawn_logged(
             close_fds=True,
             cwd=cwd,
             env=env,
+            umask=PRIVATE_UMASK,
         )
     if keep:
         _CHILDREN[proc.pid] = proc

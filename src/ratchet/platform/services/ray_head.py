@@ -8,10 +8,13 @@ import hashlib
 import importlib.util
 import logging
 import os
+import secrets
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from ratchet.private_paths import UnsafeLocalDir, ensure_private_dir
 
 from . import processes
 from .ports import can_connect
@@ -33,17 +36,42 @@ RAY_TEMP_DIR_MAX_LEN = _UNIX_SOCKET_MAX - len(_RAY_SOCKET_SUFFIX)
 
 
 def temp_dir(settings: ServiceSettings) -> Path:
-    """``<state>/ray`` when it is short enough for Ray's unix sockets, else a short
-    folder under /tmp derived from the state dir (stable across calls)."""
+    """Ray's temp folder (its sockets, session files, its workers' logs), always inside a
+    folder that is yours and closed to others: Ray makes its temp folder and the session
+    folders in it world-writable (0777, so that several users can share one), so that
+    folder itself cannot be the guard. ``<state>/ray`` when that path is short enough for
+    Ray's unix sockets (the state folder is the private one); else
+    ``/tmp/ratchet-<uid>-<name>/r``, where the private folder's <name> comes from the state
+    folder's path and a random key kept in it (``ray_temp_key``, 0600): the same on every
+    call for this state folder, unpredictable to other users, and checked (yours, 0700) so
+    that nobody can have created it first."""
+    fix = "set RATCHET_STATE_DIR to a short path of your own (Ray's temp folder goes under it)"
     preferred = settings.state_dir / "ray"
     if len(str(preferred).encode()) <= RAY_TEMP_DIR_MAX_LEN:
+        settings.ensure_state_dir()
         return preferred
-    digest = hashlib.sha1(str(settings.state_dir).encode()).hexdigest()[:10]
-    fallback = Path("/tmp") / f"ratchet-{os.getuid()}-{digest}"
-    logger.info(
-        "state dir path is too long for Ray's unix sockets; using Ray temp dir %s", fallback
-    )
-    return fallback
+    name = hashlib.sha256(_temp_key(settings) + str(settings.state_dir).encode()).hexdigest()[:10]
+    try:
+        private = ensure_private_dir(Path("/tmp") / f"ratchet-{os.getuid()}-{name}", f"remove it, or {fix}")
+    except UnsafeLocalDir as exc:
+        raise ServiceError(f"Ray temp folder: {exc}") from None
+    logger.info("state dir path is too long for Ray's unix sockets; using Ray temp dir %s", private / "r")
+    return private / "r"
+
+
+TEMP_KEY_FILE = "ray_temp_key"
+
+
+def _temp_key(settings: ServiceSettings) -> bytes:
+    """The state folder's random key for the name of Ray's temp folder (made once, 0600)."""
+    path = settings.ensure_state_dir() / TEMP_KEY_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return path.read_bytes()
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_hex(16).encode())
+    return path.read_bytes()
 
 
 def _package_dir() -> str:
@@ -150,7 +178,6 @@ def start(settings: ServiceSettings) -> dict[str, Any]:
     for services.json."""
     temp = temp_dir(settings)
     cmd = _command(settings, temp)
-    temp.mkdir(parents=True, exist_ok=True)
     env, auth, source = _environment(settings)
     log_path = settings.ray_log
     started_at = now()

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import mlflow_ui, ray_head, ray_nodes, temporal_server
+from . import codec_server, mlflow_ui, ray_head, ray_nodes, temporal_server
 from .ports import can_connect
 from .settings import (
     ServiceSettings,
@@ -58,6 +58,8 @@ class ServicesStatus:
     mlflow_ui_url: str | None = None
     # Extra Ray nodes of `up --nodes N` (each with its own worker); `pid`: its supervisor.
     nodes: list[ServiceState] = field(default_factory=list)
+    # The Temporal UI's codec server (codec_server.py), for a Temporal server ratchet runs.
+    codec_server: ServiceState | None = None
 
     @property
     def all_running(self) -> bool:
@@ -87,9 +89,16 @@ def status(settings: ServiceSettings | None = None) -> ServicesStatus:
         ui = rec.get("ui_url", temporal_ui_url(settings))
         answers = can_connect(rec["host"], rec["port"])
         temporal = ServiceState("temporal", answers, t_addr, rec["pid"], True)
+        codec_rec = rec.get("codec_server")
+        codec_answers, codec_detail = codec_server.describe(codec_rec)
+        codec = ServiceState(
+            "codec_server", codec_answers, codec_server.url(codec_rec) if codec_rec else "-",
+            codec_rec.get("pid") if codec_rec else None, codec_server.is_ours(codec_rec), codec_detail,
+        )  # fmt: skip
     else:
         t_addr, ui = temporal_address(settings), temporal_ui_url(settings)
         temporal = _unmanaged("temporal", settings.host, settings.temporal_port, t_addr)
+        codec = None
 
     rec_r = services.get("ray")
     if ray_head.is_ours(rec_r):
@@ -115,6 +124,7 @@ def status(settings: ServiceSettings | None = None) -> ServicesStatus:
         ray_auth_token_path=rec_r.get("auth_token_path") if rec_r else None,
         mlflow_ui=mlflow,
         mlflow_ui_url=mlflow_url,
+        codec_server=codec,
         nodes=[
             ServiceState(rec["name"], bool(ray_nodes.pids(rec)), r_addr, rec["pid"], ray_nodes.is_ours(rec), f"{rec['cpus']:g} CPUs")
             for _, rec in sorted(services.get("nodes", {}).items(), key=lambda kv: int(kv[0]))

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ratchet.private_paths import UnsafeLocalDir, ensure_private_dir, make_private_dirs
+
 __all__ = [
     "DEFAULT_STATE_DIR",
     "PORT_ENV",
@@ -209,6 +211,21 @@ class ServiceSettings:
         }
         values.update(overrides)
         return cls(**values)
+
+    def ensure_state_dir(self) -> Path:
+        """The state folder, created 0700 and checked like the model cache: it holds the
+        Ray token, the databases, the logs and the runs (weights, prompts, responses), so it
+        must be yours and closed to others (one that others can only read is narrowed; one
+        that others can write or own is refused)."""
+        try:
+            return ensure_private_dir(self.state_dir, "set RATCHET_STATE_DIR to a folder of your own")
+        except UnsafeLocalDir as exc:
+            raise ServiceError(f"state folder: {exc}") from None
+
+    def ensure_private_subdir(self, path: Path) -> Path:
+        """`path` (under the state folder) and its missing parents, created 0700."""
+        self.ensure_state_dir()
+        return make_private_dirs(path)
 
     # paths under the state folder
     state_file = _under_state_dir(STATE_FILE)

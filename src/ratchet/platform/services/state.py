@@ -55,14 +55,19 @@ def save_state(settings: ServiceSettings, data: dict[str, Any]) -> None:
     data["state_dir"] = str(settings.state_dir)
     data["updated_at"] = now()
     tmp = settings.state_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # a stray tmp file from before keeps its mode otherwise
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, settings.state_file)
 
 
 @contextlib.contextmanager
 def locked(settings: ServiceSettings) -> Iterator[None]:
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
-    with open(settings.state_dir / LOCK_FILE, "a+") as f:
+    settings.ensure_state_dir()
+    fd = os.open(settings.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "r+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

