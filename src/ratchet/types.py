@@ -196,6 +196,32 @@ class TrainingInput:
 
 
 @dataclass
+class RunCommand:
+    """The argument of a training run's `pause`, `resume` and `stop` and of a sweep's
+    `pause`, `resume` and `cancel` (the signal's sender: ratchet's client,
+    `ratchet.platform.client.command_for`, or the sweep workflow for its trials).
+
+    Why it exists: every payload ratchet sends is sealed and authenticated with the payload
+    key (platform/payload_codec.py), but a signal without arguments carries no payload, so
+    the codec had nothing to check and anyone who reached the Temporal port could pause,
+    resume or stop any run. With this argument, a signal from a client without the key
+    fails to decode or carries no command, and is ignored. `workflow_id` binds the command
+    to one workflow: a sealed command copied out of one run's history cannot be replayed
+    on another. A copy replayed on the same run only repeats what its owner once asked; it
+    has no deadline, so a command sent while no worker runs still acts when one starts.
+    (Cancel, terminate and reset are Temporal's own calls with no payload: see
+    docs/temporal_ui.md.)"""
+
+    workflow_id: str
+
+    def refusal(self, workflow_id: str) -> str | None:
+        """Why this command is not for workflow `workflow_id`, or None when it is."""
+        if self.workflow_id != workflow_id:
+            return f"the command names workflow {self.workflow_id!r}, not this one"
+        return None
+
+
+@dataclass
 class CarriedCommands:
     """What a training run continuing as new hands its next run besides the run state: the
     signals it had received for a step boundary it did not reach. (A stop is not carried:

@@ -29,7 +29,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from ratchet import types as t
-from ratchet.platform.client import RECIPE_PATH, NothingToResume
+from ratchet.platform.client import RECIPE_PATH, NothingToResume, command_for
 from ratchet.platform.services import temporal_address
 from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
 from ratchet.workflows.training import TrainingWorkflow
@@ -62,7 +62,7 @@ def test_a_stop_between_checkpoints_checkpoints_the_stop_step():
             async def stop_after_step_3(handle):
                 while standins.count("record_step") < 4:  # steps 0-3 written; step 4 is being made
                     await asyncio.sleep(0.02)
-                await handle.signal("stop")
+                await handle.signal("stop", command_for(handle.id))
 
             return await run_on(env.client, standins, training_input("stop5", plan(steps=8, checkpoint_every=3)), stop_after_step_3)
 
@@ -86,7 +86,7 @@ def test_a_stop_at_a_checkpointed_step_takes_no_second_one():
             async def stop_in_step_2(handle):
                 while standins.count("record_step") < 2:
                     await asyncio.sleep(0.02)
-                await handle.signal("stop")
+                await handle.signal("stop", command_for(handle.id))
 
             return await run_on(env.client, standins, training_input("stop3", plan(steps=8, checkpoint_every=3)), stop_in_step_2)
 

@@ -23,6 +23,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory, WorkflowUpdateFailedError
 from temporalio.worker import Replayer
 
+from ratchet.platform.client import command_for
 from ratchet.types import LiveChange, Progress, RunSummary
 from ratchet.workflows.training import TrainingWorkflow
 
@@ -99,7 +100,7 @@ def test_a_stop_in_the_step_that_continues_as_new_ends_the_run_there(server, mod
     standins = StandIns(before={"train": gate})
 
     async def stop(handle):
-        await held_then(gate, lambda: handle.signal("stop"))
+        await held_then(gate, lambda: handle.signal("stop", command_for(handle.id)))
 
     summary = run_with(server, standins, f"stop-{mode}", stop, mode=mode)
 
@@ -115,11 +116,11 @@ def test_a_pause_in_the_step_that_continues_as_new_holds_the_next_run(server):
     seen = {}
 
     async def pause_then_resume(handle):
-        await held_then(gate, lambda: handle.signal("pause"))
+        await held_then(gate, lambda: handle.signal("pause", command_for(handle.id)))
         progress = await paused_progress(handle)
         seen["progress"], seen["steps"] = progress, standins.count("step")
         seen["continued"] = (await handle.describe()).run_id != handle.first_execution_run_id
-        await handle.signal("resume")
+        await handle.signal("resume", command_for(handle.id))
 
     summary = run_with(server, standins, "pause", pause_then_resume)
 

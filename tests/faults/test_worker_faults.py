@@ -473,13 +473,17 @@ def test_hung_reward_is_cut_at_reward_timeout_and_replaced(platform, ray_driver,
 
 def test_failed_checkpoint_fails_the_run_naming_it(platform, ray_driver):
     """The run's checkpoints folder is blocked by a file: the last checkpoint's background
-    upload fails, finish_run takes it again, fails, is retried, and the run fails."""
+    upload fails, finish_run takes it again, fails, is retried, and the run fails. (The file
+    is put there while the run is held at its first step boundary: a folder that exists
+    before submit makes the id taken.)"""
     run_id = "ckpt-blocked"
-    (platform.runs_root / run_id).mkdir(parents=True)
-    (platform.runs_root / run_id / "checkpoints").write_text("in the way")
     handle = platform.client.submit(
         RECIPE_PATH, platform.overrides(*TINY, "loop.steps=2", "checkpoint.every=2", "tracking.name=ckpt"), run_id=run_id
     )
+    handle.pause()  # held at the first step boundary, before the only checkpoint (step 2)
+    wait_until(lambda: handle.progress().phase == "paused", timeout=180)
+    (platform.runs_root / run_id / "checkpoints").write_text("in the way")
+    handle.resume()
     text = run_fails(handle)
     assert "[CheckpointFailed]" in text
     assert "checkpoint step-00000002 failed on trainer rank 0: NotADirectoryError" in text

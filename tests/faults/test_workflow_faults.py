@@ -13,6 +13,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.converter import default as default_converter
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
+from ratchet.platform.client import command_for
 from ratchet.types import Progress, RunRef, RunState
 
 from .standins import StandIns, plan, run_training, training_input
@@ -179,7 +180,7 @@ def test_a_sweep_trial_waits_at_its_rung_for_the_verdict():
 
             async def stop_there(handle):
                 await held_at(handle, 2, stopped)
-                await handle.signal("stop")
+                await handle.signal("stop", command_for(handle.id))
 
             hold = {"hold_at_steps": [2]}
             a = await run_on(env.client, passed, training_input("passed", plan(steps=4, continue_as_new_every=1), **hold), go_on)

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from ratchet.platform.client import RECIPE_PATH
+from ratchet.platform.client import RECIPE_PATH, command_for
 from ratchet.workers.admission_ledger import REBUILT_HOLD_S, AdmissionLedger, Need
 
 from ..polling import wait_until
@@ -153,7 +153,7 @@ def test_a_queued_run_shows_its_place_and_a_stop_or_cancel_leaves_the_queue():
 
                     await asyncio.wait_for(shown(), 30)
                     seen.append(how)
-                    await (handle.signal("stop") if how == "stop" else handle.cancel())
+                    await (handle.signal("stop", command_for(handle.id)) if how == "stop" else handle.cancel())
 
                 return during
 

@@ -17,6 +17,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.worker import Replayer
 
+from ratchet.platform.client import command_for
 from ratchet import types as t
 from ratchet.config import RunConfig
 from ratchet.workflows.training import TrainingWorkflow
@@ -53,7 +54,7 @@ async def test_live_change_is_checked_recorded_and_carried_across_continue_as_ne
 
     async def during(handle):
         await standins.started["step"].wait()
-        await handle.signal("pause")
+        await handle.signal("pause", command_for(handle.id))
         seen["paused_at"] = await wait_paused(handle)
         for bad, why in [
             ({"rollout.temperature": 0.5}, "rollout.temperature: cannot change while the run trains"),
@@ -68,7 +69,7 @@ async def test_live_change_is_checked_recorded_and_carried_across_continue_as_ne
         )
         seen["history"] = await handle.fetch_history()
         seen["run"] = (await handle.describe()).run_id  # the workflow run (of the continue-as-new chain) it went to
-        await handle.signal("resume")
+        await handle.signal("resume", command_for(handle.id))
 
     summary = await run_on(client, standins, inp, during)
     assert summary.steps == 6
@@ -107,10 +108,10 @@ async def test_every_update_from_the_change_on_gets_the_values(client, mode):
 
     async def during(handle):
         await standins.started["train"].wait()
-        await handle.signal("pause")
+        await handle.signal("pause", command_for(handle.id))
         await wait_paused(handle)
         seen["change"] = await handle.execute_update("set_params", {"algorithm.entropy_coeff": 0.01}, result_type=t.LiveChange)
-        await handle.signal("resume")
+        await handle.signal("resume", command_for(handle.id))
 
     summary = await run_on(client, standins, inp, during)
     first = seen["change"].from_step

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from ratchet.platform.client import command_for
 from ratchet import types as t
 from ratchet.workflows import scheduling as sched
 
@@ -296,7 +297,7 @@ async def test_pause_and_stop_at_a_step_boundary(client, mode):
 
     async def control(handle):
         await wait_until(lambda: standins.count("train") >= 2)
-        await handle.signal("pause")
+        await handle.signal("pause", command_for(handle.id))
         await wait_until_paused(handle)
         await asyncio.sleep(0.1)  # activities the workflow started just before reach the stand-ins
         progress = await handle.query("progress", result_type=t.Progress)
@@ -306,9 +307,9 @@ async def test_pause_and_stop_at_a_step_boundary(client, mode):
         assert progress.paused and progress.phase == "paused" and progress.step == held["step"]
         # Nothing new starts while paused: no update, and no generation in fully_async.
         assert standins.count("train") == held["train"] and standins.count("generate") == held["generate"]
-        await handle.signal("resume")
+        await handle.signal("resume", command_for(handle.id))
         await wait_until(lambda: standins.count("train") >= held["train"] + 2)
-        await handle.signal("stop")
+        await handle.signal("stop", command_for(handle.id))
 
     summary = await run_on(client, standins, training_input(f"ctl-{mode}", plan(mode=mode, steps=10_000)), control)
 

@@ -25,6 +25,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
+from ratchet import sweep_types as st
 from ratchet import types as t
 from ratchet.platform import payload_codec as pc
 from ratchet.platform.payload_key import KEY_FILE_VAR, PayloadKeyError, key_file_path, load_key
@@ -249,3 +250,200 @@ def test_codec_server_decodes_for_the_ui_only_and_never_encodes(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+# -- signals without arguments: pause, resume and stop carry a sealed RunCommand ----------------
+
+
+class HeldStep:
+    """Holds the run's second `train` call (policy version 1) until the command is sent."""
+
+    def __init__(self):
+        self.reached = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def __call__(self, inp) -> None:
+        if inp.policy_version == 1:
+            self.reached.set()
+            await self.release.wait()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    """One dev server for the commands below (its own event loop) and the key's file."""
+    loop = asyncio.new_event_loop()
+    env = loop.run_until_complete(WorkflowEnvironment.start_local(dev_server_existing_path=str(TEMPORAL), ui=False))
+    try:
+        yield env.client.service_client.config.target_host, tmp_path_factory.mktemp("state") / "payload.key"
+    finally:
+        loop.run_until_complete(env.shutdown())
+        loop.close()
+
+
+def command_run(keyed_server, run_id: str, send, replay: bool = False) -> tuple[t.RunSummary, list[str]]:
+    """Run a 3-step TrainingWorkflow (stand-in activities, a worker with the key); while its
+    second step is held, `send(plain, keyed)` signals it, `plain` a handle from a temporalio
+    client without the key, `keyed` one from a client with ratchet's converter. Its summary
+    (a run left paused would time out) and the worker's warnings about ignored signals.
+    `replay`: the history, with the refusals' patch marker, replays with the workflow."""
+    import logging
+
+    from tests.faults.standins import StandIns, plan, worker_for
+
+    target, key_file = keyed_server
+    held = HeldStep()
+    standins = StandIns(before={"train": held})
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if "ignored" in record.getMessage():
+                warnings.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logging.getLogger("temporalio").addHandler(handler)
+
+    async def go():
+        keyed = await Client.connect(target, data_converter=pc.data_converter(key_file))
+        plain = await Client.connect(target)
+        queue = f"codec-{run_id}"
+        async with worker_for(keyed, standins, queue):
+            inp = t.TrainingInput(run_id=run_id, config={}, plan=plan(steps=3))
+            handle = await keyed.start_workflow("TrainingWorkflow", inp, id=run_id, task_queue=queue, result_type=t.RunSummary)
+            await asyncio.wait_for(held.reached.wait(), 60)
+            await send(plain.get_workflow_handle(run_id), handle)
+            held.release.set()
+            summary = await asyncio.wait_for(handle.result(), 60)
+        if replay:
+            from temporalio.worker import Replayer
+
+            from ratchet.workflows.training import TrainingWorkflow
+
+            history = await handle.fetch_history()
+            result = await Replayer(workflows=[TrainingWorkflow], data_converter=keyed.data_converter).replay_workflow(
+                history, raise_on_replay_failure=False
+            )
+            assert result.replay_failure is None, result.replay_failure
+        return summary
+
+    try:
+        return asyncio.run(go()), warnings
+    finally:
+        logging.getLogger("temporalio").removeHandler(handler)
+
+
+def test_stop_and_pause_from_a_client_without_the_key_are_ignored(keyed_server):
+    """A plain temporalio client sends `stop` and `pause` with no argument, and with a
+    command it can only send unsealed: the run goes on to its last step, never paused; its
+    history (the refusals behind `workflow.patched`) replays."""
+
+    async def send(plain, keyed):
+        forged = {"workflow_id": plain.id}
+        for name in ("stop", "pause"):
+            await plain.signal(name)
+            await plain.signal(name, forged)
+
+    summary, warnings = command_run(keyed_server, "plain-commands", send, replay=True)
+    assert summary.steps == 3 and not summary.stopped, summary
+    assert any("signal 'stop' without an authenticated command: ignored" in w for w in warnings), warnings
+    assert any("signal 'pause' without an authenticated command: ignored" in w for w in warnings), warnings
+    assert any("ratchet's client, which holds the payload key" in w for w in warnings), warnings
+
+
+def test_a_stop_from_ratchets_client_stops_the_run(keyed_server):
+    """The control: the same `stop` with the command ratchet's client sends (command_for,
+    what RunHandle.stop and `ratchet stop` send) ends the run at the held step."""
+    from ratchet.platform.client import command_for
+
+    async def send(plain, keyed):
+        await keyed.signal("stop", command_for(keyed.id))
+
+    summary, warnings = command_run(keyed_server, "keyed-stop", send)
+    assert summary.stopped and summary.steps == 2, summary
+    assert warnings == []
+
+
+def test_a_sealed_command_for_another_run_is_ignored(keyed_server):
+    """Sealed with the key, but naming another workflow (a command copied out of another
+    run's history): ignored, the run goes on to its end."""
+    from ratchet.platform.client import command_for
+
+    async def send(plain, keyed):
+        await keyed.signal("stop", command_for("another-run"))
+        await keyed.signal("pause", command_for("another-run"))
+
+    summary, warnings = command_run(keyed_server, "replayed-commands", send, replay=True)
+    assert summary.steps == 3 and not summary.stopped, summary
+    assert any("the command names workflow 'another-run', not this one" in w and "'stop'" in w for w in warnings), warnings
+    assert any("'pause'" in w and "another-run" in w for w in warnings), warnings
+
+
+def test_a_sweep_ignores_a_cancel_without_the_key_and_signals_its_trials_with_commands(keyed_server):
+    """A sweep of one trial (the real SweepWorkflow and TrainingWorkflow, stand-in
+    activities): a plain client's `cancel` and `pause` are ignored; ratchet's `cancel`
+    (command_for the sweep) makes the sweep send its trial a `stop` carrying a command for
+    the trial, which the trial accepts: it ends at the held
+    step and the sweep completes as cancelled."""
+    from temporalio import activity
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.worker import Worker
+
+    from tests.faults.standins import StandIns, plan
+
+    from ratchet.platform.client import command_for
+    from ratchet.workflows.sweep import SweepWorkflow
+    from ratchet.workflows.training import TrainingWorkflow
+
+    @activity.defn(name="sweep_begin")
+    async def sweep_begin(inp) -> None:
+        return None
+
+    @activity.defn(name="sweep_status")
+    async def sweep_status(inp) -> None:
+        return None
+
+    @activity.defn(name="plan_trial")
+    async def plan_trial(inp: st.PlanTrialInput) -> st.TrialPlan:
+        run_id = f"{inp.sweep_id}-t{inp.trial_index}"
+        return st.TrialPlan(trial_index=inp.trial_index, run_id=run_id, params={}, config={}, plan=plan(steps=3), storage_root="")
+
+    @activity.defn(name="finish_trial")
+    async def finish_trial(inp: st.FinishTrialInput) -> st.TrialResult:
+        return st.TrialResult(trial_index=inp.trial_index, run_id=inp.run_id, state=inp.state, steps=inp.steps)
+
+    target, key_file = keyed_server
+    held = HeldStep()
+    standins = StandIns(before={"train": held})
+    sweep_id = "codec-sweep"
+
+    async def go():
+        keyed = await Client.connect(target, data_converter=pc.data_converter(key_file))
+        plain = await Client.connect(target)
+        worker = Worker(
+            keyed,
+            task_queue="codec-sweep",
+            workflows=[SweepWorkflow, TrainingWorkflow],
+            activities=[*standins.activities(), sweep_begin, sweep_status, plan_trial, finish_trial],
+        )
+        async with worker:
+            spec = {"name": "s", "search": "grid", "objective": {"metric": "reward_mean"}}
+            inp = st.SweepInput(sweep_id, spec, {}, st.SweepPlan(trials=1, parallelism=1))
+            handle = await keyed.start_workflow("SweepWorkflow", inp, id=sweep_id, task_queue="codec-sweep", result_type=st.SweepSummary)
+            await asyncio.wait_for(held.reached.wait(), 60)
+            await plain.get_workflow_handle(sweep_id).signal("pause")
+            await plain.get_workflow_handle(sweep_id).signal("cancel")
+            await handle.signal("cancel", command_for(sweep_id))
+            trial = keyed.get_workflow_handle(f"{sweep_id}-t0")
+
+            async def stop_reached():  # the sweep's `stop` is in the trial's history
+                while not any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED for e in (await trial.fetch_history()).events):
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(stop_reached(), 60)
+            held.release.set()
+            return await asyncio.wait_for(handle.result(), 60)
+
+    summary = asyncio.run(go())
+    assert summary.status == "cancelled", summary
+    [trial] = summary.trials
+    assert trial.state == "cancelled" and trial.steps == 2, trial  # stopped at the held step

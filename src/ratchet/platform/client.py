@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 from ratchet.ids import check_id
 from ratchet.config.loop_plan import loop_plan
 from ratchet.types import TASK_QUEUE, BatchStatus, LiveChange, Progress, RunState, RunSummary, TrainingInput, upgrade_run_state
-from .handles import WorkflowHandle
+from .handles import WorkflowHandle, command_for  # noqa: F401 - command_for: re-exported for senders
 from .taken_ids import check_new_run_id
 
 WORKFLOW = "TrainingWorkflow"
@@ -221,6 +221,19 @@ class Client:
 
     def _run(self, coro):
         return self._loop.run_until_complete(coro)
+
+    def workflow_status(self, workflow_id: str) -> str | None:
+        """The status of the workflow with that id ("running", "completed", "terminated", ...),
+        or None when Temporal knows none."""
+        from temporalio.service import RPCError, RPCStatusCode
+
+        try:
+            desc = self._run(self._temporal.get_workflow_handle(workflow_id).describe())
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return None
+            raise
+        return desc.status.name.lower() if desc.status is not None else "known"
 
     def submit(self, config: Any, overrides: Sequence[str] = (), *, run_id: str | None = None) -> RunHandle:
         """Validate `config` (a RunConfig, a dict, or a YAML path) and start the run."""

@@ -6,8 +6,17 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
+from ratchet.types import RunCommand
+
 if TYPE_CHECKING:
     from .client import Client
+
+
+def command_for(workflow_id: str) -> RunCommand:
+    """The argument of a `pause`, `resume`, `stop` (a run) or `cancel` (a sweep) signal to
+    workflow `workflow_id`, issued now: the workflow ignores these signals without one
+    (ratchet.types.RunCommand says why). Every sender outside workflow code builds it here."""
+    return RunCommand(workflow_id=workflow_id)
 
 
 class WorkflowHandle:
@@ -60,4 +69,6 @@ class WorkflowHandle:
         return desc.status.name if desc.status else "UNKNOWN"
 
     def _signal(self, name: str) -> None:
-        self.client._run(self._handle().signal(name))
+        """Send `pause`, `resume`, `stop` or `cancel` with the RunCommand the workflow acts
+        on (ratchet.types.RunCommand: sealed with the payload key, for this workflow)."""
+        self.client._run(self._handle().signal(name, command_for(self.workflow_id)))

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .client import Client
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +25,16 @@ class IdTaken(FileExistsError):
     """A new run or sweep asked for an id another one has; the message says how to go on."""
 
 
-def check_new_run_id(client: Client, run_id: str, storage_root: str) -> str:
+class KnowsWorkflows(Protocol):
+    """What these checks need of a client (ratchet's `Client`)."""
+
+    def workflow_status(self, workflow_id: str) -> str | None: ...
+
+
+def check_new_run_id(client: KnowsWorkflows, run_id: str, storage_root: str) -> str:
     """`run_id` if no run has it (see the module doc); else IdTaken naming where it is
     taken and how to continue that run or pick another id."""
-    where = _in_temporal(client, run_id)
-    from ratchet.storage import ObjectStore
-
-    if ObjectStore(storage_root).child(run_id).list(""):
-        where.append(f"it has a folder under {storage_root}")
-    if _in_registry("run", run_id):
-        where.append("the run registry lists it")
+    where = _taken(client, "run", run_id, run_id, storage_root, "it has a folder")
     if where:
         raise IdTaken(
             f"run id {run_id!r} is taken ({'; '.join(where)}): a new run under it would overwrite that run's config, "
@@ -48,17 +45,11 @@ def check_new_run_id(client: Client, run_id: str, storage_root: str) -> str:
     return run_id
 
 
-def check_new_sweep_id(client: Client, sweep_id: str, first_trial_id: str, storage_root: str) -> str:
+def check_new_sweep_id(client: KnowsWorkflows, sweep_id: str, first_trial_id: str, storage_root: str) -> str:
     """`sweep_id` if no sweep has it: no workflow with that id in Temporal, no sweep row in
     the registry, and no folder of its first trial (`first_trial_id`) under `storage_root`
     (trials are runs `<sweep>-t<k>`: a sweep again under the id would overwrite them)."""
-    where = _in_temporal(client, sweep_id)
-    from ratchet.storage import ObjectStore
-
-    if ObjectStore(storage_root).child(first_trial_id).list(""):
-        where.append(f"its trial {first_trial_id} has a folder under {storage_root}")
-    if _in_registry("sweep", sweep_id):
-        where.append("the run registry lists it")
+    where = _taken(client, "sweep", sweep_id, first_trial_id, storage_root, f"its trial {first_trial_id} has a folder")
     if where:
         raise IdTaken(
             f"sweep id {sweep_id!r} is taken ({'; '.join(where)}): a new sweep under it would overwrite its trials' "
@@ -67,18 +58,20 @@ def check_new_sweep_id(client: Client, sweep_id: str, first_trial_id: str, stora
     return sweep_id
 
 
-def _in_temporal(client: Client, workflow_id: str) -> list[str]:
-    """["Temporal has a <status> workflow with that id"] or [] when Temporal knows none."""
-    from temporalio.service import RPCError, RPCStatusCode
+def _taken(client: KnowsWorkflows, kind: str, key: str, folder: str, storage_root: str, folder_says: str) -> list[str]:
+    """Where `key` is taken, in words: Temporal, the folder `folder` under `storage_root`,
+    the registry's `kind` ("run" | "sweep") rows. [] when nowhere."""
+    from ratchet.storage import ObjectStore
 
-    try:
-        desc = client._run(client._temporal.get_workflow_handle(workflow_id).describe())
-    except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            return []
-        raise
-    status = desc.status.name.lower() if desc.status is not None else "known"
-    return [f"Temporal has a {status} workflow with that id"]
+    where = []
+    status = client.workflow_status(key)
+    if status is not None:
+        where.append(f"Temporal has a {status} workflow with that id")
+    if ObjectStore(storage_root).child(folder).list(""):
+        where.append(f"{folder_says} under {storage_root}")
+    if _in_registry(kind, key):
+        where.append("the run registry lists it")
+    return where
 
 
 def _in_registry(kind: str, key: str) -> bool:

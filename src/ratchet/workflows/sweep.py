@@ -51,7 +51,8 @@ with workflow.unsafe.imports_passed_through():
         TrialWatch,
         trial_run_id,
     )
-    from ratchet.types import RunLineage, RunSummary, TrainingInput
+    from ratchet.types import RunCommand, RunLineage, RunSummary, TrainingInput
+    from ratchet.workflows import commands
     from ratchet.workflows import early_stopping as es
     from ratchet.workflows import search_attributes as sa
 
@@ -98,8 +99,10 @@ class SweepWorkflow:
     # -- signals and queries ---------------------------------------------------------------
 
     @workflow.signal
-    async def pause(self) -> None:
+    async def pause(self, command: RunCommand | None = None) -> None:
         """Pause the running trials (at their next step boundary); start no new ones."""
+        if not commands.accepted("pause", command):
+            return
         if self._paused or self._cancelling:
             return
         self._paused = True
@@ -107,7 +110,9 @@ class SweepWorkflow:
         await self._act("sweep_status", SweepEndInput(self._inp.sweep_id, "paused"))
 
     @workflow.signal
-    async def resume(self) -> None:
+    async def resume(self, command: RunCommand | None = None) -> None:
+        if not commands.accepted("resume", command):
+            return
         if not self._paused:
             return
         self._paused = False
@@ -116,9 +121,11 @@ class SweepWorkflow:
             await self._act("sweep_status", SweepEndInput(self._inp.sweep_id, "running"))
 
     @workflow.signal
-    async def cancel(self) -> None:
+    async def cancel(self, command: RunCommand | None = None) -> None:
         """Stop the running trials (each ends at a step boundary, keeping what it did) and
         start no new ones; the sweep completes as cancelled with the best trial so far."""
+        if not commands.accepted("cancel", command):
+            return
         if self._cancelling:
             return
         self._cancelling = True
@@ -248,9 +255,13 @@ class SweepWorkflow:
             return None
 
     async def _signal(self, k: int, name: str, *args) -> None:
+        """Signal trial `k`; `pause`, `resume` and `stop` carry a RunCommand for the trial
+        (stamped with the sweep's workflow clock), as a trial acts on no other."""
         handle = self._running.get(k)
         if handle is None:
             return
+        if name in ("pause", "resume", "stop"):
+            args = (RunCommand(handle.id),)
         try:
             await handle.signal(name, *args)
         except Exception as exc:  # noqa: BLE001 - the trial ended meanwhile: nothing to signal

@@ -69,6 +69,7 @@ from ratchet.types import (
     ReleaseInput,
     ReleaseOutput,
     RolloutInput,
+    RunCommand,
     RunRef,
     RunState,
     RunSummary,
@@ -88,6 +89,7 @@ from ratchet.types import (
     WarmupInput,
     WarmupOutput,
 )
+from ratchet.workflows import commands
 from ratchet.workflows import scheduling as sched
 from ratchet.workflows import search_attributes as sa
 from ratchet.workflows.modes import LOOP_MODES
@@ -155,13 +157,18 @@ class TrainingWorkflow:
 
     # -- signals and queries -------------------------------------------------------------
 
-    @workflow.signal
-    def pause(self) -> None:
-        self._paused = True
+    # pause, resume and stop act only on a RunCommand for this run (workflows/commands.py):
+    # without arguments they would carry no payload the key authenticates.
 
     @workflow.signal
-    def resume(self) -> None:
-        self._paused = False
+    def pause(self, command: RunCommand | None = None) -> None:
+        if commands.accepted("pause", command):
+            self._paused = True
+
+    @workflow.signal
+    def resume(self, command: RunCommand | None = None) -> None:
+        if commands.accepted("resume", command):
+            self._paused = False
 
     @workflow.signal
     def pass_rung(self, step: int) -> None:
@@ -171,9 +178,10 @@ class TrainingWorkflow:
             self._state.rung_passed = max(self._state.rung_passed, step)
 
     @workflow.signal
-    def stop(self) -> None:
+    def stop(self, command: RunCommand | None = None) -> None:
         """Finish at the next step boundary: export the policy and complete."""
-        self._stopping = True
+        if commands.accepted("stop", command):
+            self._stopping = True
 
     @workflow.signal
     def drain(self, node_id: str) -> None:
