@@ -63,7 +63,9 @@ def test_the_package_is_not_shadowed_by_a_folder_named_ratchet(tmp_path):
 def _script(blocks: list[tuple[str, str]]) -> str:
     """The pasted lines as one bash script: `set -e` stops at the first failing line, as a
     reader would. The worker's pid is noted after the line that starts it (bookkeeping)."""
-    parts = ["set -e"]
+    # A line that fails ends the script (set -e) with the worker still up: stop it then, so
+    # its open output does not keep the test waiting for its time limit, blind.
+    parts = ["set -e", 'trap \'[ $? -eq 0 ] || [ -z "${WORKER_PID:-}" ] || kill "$WORKER_PID" 2>/dev/null\' EXIT']
     for lang, code in blocks:
         if lang == "python":
             parts.append(f"python - <<'PYTHON'\n{code}PYTHON")
@@ -104,6 +106,9 @@ def test_using_it_works_pasted_into_a_fresh_shell(tmp_path):
     script = _script(using_it_blocks())
     try:
         out = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    except subprocess.TimeoutExpired as exc:
+        text = [(b or b"").decode(errors="replace") if isinstance(b, bytes) else (b or "") for b in (exc.stdout, exc.stderr)]
+        pytest.fail(f"timed out after 540 s\n--- stdout\n{text[0][-6000:]}\n--- stderr\n{text[1][-6000:]}")
     finally:
         subprocess.run([str(Path(sys.prefix) / "bin" / "ratchet"), "down"], cwd=tmp_path, env=env, capture_output=True, timeout=120)
     shown = f"exit {out.returncode}\n--- stdout\n{out.stdout[-6000:]}\n--- stderr\n{out.stderr[-6000:]}"

@@ -884,6 +884,11 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("RATCHET_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         app()
+    except SystemExit as exc:  # every command ends here (Typer exits): leave without the interpreter's teardown
+        code = exc.code
+        if code is not None and not isinstance(code, int):
+            typer.secho(str(code), err=True, fg="red")
+        _flush_and_exit(code if isinstance(code, int) else 0 if code is None else 1)
     except Exception as exc:  # noqa: BLE001 - a situation a user caused: one line (src/ratchet/platform/cli_errors.py)
         from .cli_errors import debug, explain
 
