@@ -11,33 +11,17 @@ and are checked here so that it stays so.
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
 from ratchet.config import ConfigError, load_config
 from ratchet.config.sweep_spec import SweepSpecError, load_sweep_spec
 from ratchet.ids import InvalidId, check_id, is_valid_id
-from ratchet.platform.client import Client
 from ratchet.platform.fork import checkpoint_name
 from ratchet.storage import ObjectStore
 
 BASE = {"model": {"path": "/nowhere"}, "data": {"train_files": "/nowhere.parquet"}}
 ENDINGS = ["\n", "\r\n", " "]
-
-
-class Untouchable:
-    """Stands in for the Temporal client: nothing may reach Temporal."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"Temporal was reached ({name})")
-
-
-@pytest.fixture
-def offline_client():
-    loop = asyncio.new_event_loop()
-    yield Client(Untouchable(), loop, "unused")
-    loop.close()
 
 
 @pytest.mark.parametrize("ending", ENDINGS)

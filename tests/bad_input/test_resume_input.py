@@ -4,7 +4,6 @@ run state from an older ratchet."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -17,22 +16,8 @@ import pytest
 from ratchet.config import ConfigError, RunConfig
 from ratchet.config.resume_keys import check_resume_changes
 from ratchet.ids import InvalidId
-from ratchet.platform.client import RECIPE_PATH, Client, RunIsLive, read_run_state
+from ratchet.platform.client import RECIPE_PATH, RunIsLive, read_run_state
 from ratchet.storage import CheckpointStore, ObjectStore
-
-
-class Untouchable:
-    """Stands in for the Temporal client where a test proves nothing reaches Temporal."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"Temporal was reached ({name})")
-
-
-@pytest.fixture
-def offline_client():
-    loop = asyncio.new_event_loop()
-    yield Client(Untouchable(), loop, "unused")
-    loop.close()
 
 
 @pytest.mark.parametrize("bad", ["../x", "../../etc", "a/b", ".hidden", "", "x" * 200])
