@@ -5,6 +5,8 @@ and the user-code loader all share it.
 - `ensure_private_dir`: a folder ratchet keeps private data in (the state folder, the
   cache, Ray's temp folder) must be a real folder, owned by this user, writable by nobody
   else; one that others can only read is narrowed to 0700.
+- `create_secret_file`: a new random secret (the Ray token, the payload key, the Ray temp
+  folder's key), 0600 from its first byte and whole before anyone can open it.
 - `make_private_dirs`, `create_private_file`, `chmod_private`: what ratchet creates
   under such a folder is 0700 (folders) and 0600 (files) whatever the process umask, so a
   copy, a move or a looser parent never exposes it.
@@ -21,11 +23,12 @@ import grp
 import os
 import pwd
 import stat
+import tempfile
 from pathlib import Path
 
 __all__ = [
     "PRIVATE_UMASK", "UnsafeLocalDir", "UntrustedCode", "check_trusted_code", "chmod_private",
-    "create_private_file", "ensure_private_dir", "make_private_dirs",
+    "create_private_file", "create_secret_file", "ensure_private_dir", "make_private_dirs",
 ]  # fmt: skip
 
 PRIVATE_UMASK = 0o077
@@ -91,6 +94,28 @@ def create_private_file(path: str | os.PathLike) -> None:
     except FileExistsError:
         return
     os.close(fd)
+
+
+def create_secret_file(path: str | os.PathLike, text: str) -> bool:
+    """Write `text` to `path` (mode 0600) unless something is there already; True when this
+    call made it. The text goes to a private temporary file beside it (0600, fsynced),
+    which is then hard-linked to `path`: the link fails if another process got there first
+    (or anyone put a file or link there), so two processes starting together agree on one
+    secret and no reader ever sees a half-written one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)  # O_EXCL, 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        os.unlink(tmp)
 
 
 def chmod_private(path: str | os.PathLike) -> None:

@@ -18,9 +18,10 @@ import hashlib
 import logging
 import os
 import stat
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+
+from ratchet.private_paths import create_secret_file
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +71,10 @@ class PayloadKey:
 
 
 def _create(path: Path) -> None:
-    """Write a new key to `path` unless a file is there: the key goes to a private
-    temporary file first, which is then hard-linked to `path` (O_EXCL semantics: the link
-    fails if another process got there first), so no reader ever sees a half-written key."""
+    """A new key at `path` unless a file is there (another process's key wins a race)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".payload-key-", dir=path.parent)  # O_EXCL, 0600
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(os.urandom(_KEY_BYTES).hex() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-            log.info("created the Temporal payload key %s (0600)", path)
-        except FileExistsError:
-            pass  # another process created it first: theirs is the key
-    finally:
-        os.unlink(tmp)
+    if create_secret_file(path, os.urandom(_KEY_BYTES).hex() + "\n"):
+        log.info("created the Temporal payload key %s (0600)", path)
 
 
 def _check(path: Path, st: os.stat_result) -> None:

@@ -10,6 +10,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from ratchet.private_paths import create_secret_file
+
 from .settings import ServiceError, ServiceSettings
 from .state import recorded
 
@@ -68,16 +70,6 @@ def ray_auth_env(settings: ServiceSettings, environ: Any = None) -> dict[str, st
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
 
 
-def _write_new_token(path: Path) -> None:
-    # O_EXCL with mode 0600: the file is never readable by others, not even for an
-    # instant, and a file or link put there by someone else is not followed.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def ensure_token(settings: ServiceSettings) -> Path:
     """``<state>/ray_auth_token``, created with a random token when missing. A token
     that others could have read (group or world bits set) or an empty file is replaced."""
@@ -85,7 +77,7 @@ def ensure_token(settings: ServiceSettings) -> Path:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        _write_new_token(path)
+        create_secret_file(path, secrets.token_hex(32))
         logger.info("created a Ray authentication token in %s (mode 0600)", path)
         return path
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
@@ -98,7 +90,7 @@ def ensure_token(settings: ServiceSettings) -> Path:
             "%s was readable by other users or empty; replacing the Ray token", path
         )
         path.unlink()
-        _write_new_token(path)
+        create_secret_file(path, secrets.token_hex(32))
     return path
 
 

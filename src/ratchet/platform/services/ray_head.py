@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ratchet.private_paths import UnsafeLocalDir, ensure_private_dir
+from ratchet.private_paths import UnsafeLocalDir, create_secret_file, ensure_private_dir
 
 from . import processes
 from .ports import can_connect
@@ -65,12 +65,7 @@ TEMP_KEY_FILE = "ray_temp_key"
 def _temp_key(settings: ServiceSettings) -> bytes:
     """The state folder's random key for the name of Ray's temp folder (made once, 0600)."""
     path = settings.ensure_state_dir() / TEMP_KEY_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return path.read_bytes()
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_hex(16).encode())
+    create_secret_file(path, secrets.token_hex(16))  # a concurrent start's key wins, whole
     return path.read_bytes()
 
 
