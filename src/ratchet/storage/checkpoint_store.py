@@ -24,6 +24,11 @@ use) instead, and its manifest (format `ratchet-checkpoint/2`, naming the attemp
 `"attempt"`) replaces the old one in one atomic put: until then readers see the old
 checkpoint whole; after, the new one, and the old files are deleted. Readers resolve a file's key from the manifest
 (`CheckpointInfo.attempt`), so both layouts read the same.
+
+Over 500 lines, one job: the checkpoint format. Writing (begin, upload, seal, commit),
+reading (latest, newest_good, download, read_files) and retention all resolve the same
+layout, manifest and attempt folders, and must change together; split apart, each half
+would re-derive the other's key rules.
 """
 
 from __future__ import annotations

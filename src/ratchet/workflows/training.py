@@ -22,7 +22,7 @@ one, when a sync or checkpoint is due, what a checkpoint keeps of the work in fl
 metrics line) are pure functions in `scheduling.py`, and how each activity is called
 (time limits, heartbeats, retries) is `phases.py`; this module orchestrates.
 
-Why one class of ~750 lines (live changes and search attributes now live in live.py and
+Why one class of ~850 lines (live changes and search attributes now live in live.py and
 search_attributes.py; only their calls are here): the three loops and the pieces of a step (rollout, train,
 sync, checkpoint, evaluate, record) share one in-memory state machine — the batches in
 flight and their prompts, the rollout lock, the pause and stop flags, the metrics line
