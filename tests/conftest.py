@@ -4,6 +4,7 @@ a `ratchet worker` process) started the way `ratchet demo` starts it."""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -40,36 +41,19 @@ os.environ.setdefault("RATCHET_SWEEP_EVERY_S", "0")
 _RAY_FIXTURES = {"platform", "chaos", "s3_platform", "running", "ray_driver"}
 
 
-# The longest modules first (seconds on CI's 2 cores): `make test` hands whole modules to
-# two processes in collection order (--dist loadfile --no-loadscope-reorder: by default
-# xdist sorts modules by their number of tests, which put these, with one to three tests
+# The longest modules first: `make test` hands whole modules to two processes in
+# collection order (--dist loadfile --no-loadscope-reorder: by default xdist sorts modules
+# by their number of tests, which put the long platform modules, with one to three tests
 # each, last, side by side), and a long module started last leaves one process idle while
-# it runs alone. Longest first keeps both busy to the end.
-LONGEST_FIRST = (  # measured: a fresh clone's `make test` on 2 cores (AMD EPYC), e6f6240
-    "tests/e2e/test_node_failure.py",  # ~470 s: three nodes killed twice over, a drain
-    "tests/e2e/test_chaos_sync.py",  # ~225 s
-    "tests/e2e/test_chaos_async.py",  # ~190 s
-    "tests/faults/test_worker_faults.py",  # ~135 s
-    "tests/integration/test_rollout_pool.py",  # ~125 s
-    "tests/e2e/test_sweep.py",  # ~130 s (4 trials; 200 s with 6)
-    "tests/integration/test_readme_walkthrough.py",  # ~105 s
-    "tests/e2e/test_e2e_algorithms.py",  # ~100 s: 6 short runs (the flags the workflow acts on)
-    "tests/e2e/test_resume.py",  # ~90 s
-    "tests/e2e/test_async.py",  # ~85 s
-    "tests/e2e/test_e2e.py",  # ~80 s
-    "tests/unit/test_smollm2.py",  # ~80 s
-    "tests/integration/test_admission.py",
-    "tests/e2e/test_stop_resume_facts.py",
-    "tests/e2e/test_s3_run.py",
-    "tests/e2e/test_pipeline.py",  # sft -> dpo -> grpo, a chunk killed
-    "tests/e2e/test_lora_run.py",
-    "tests/e2e/test_multi_turn.py",
-)
+# it runs alone. The seconds are recorded, not kept by hand: tests/record_durations.py
+# writes them from a whole-suite report. A module not yet recorded counts as
+# UNRECORDED_S, about what a module that starts one platform run takes.
+MODULE_SECONDS: dict[str, float] = json.loads((Path(__file__).with_name("module_seconds.json")).read_text())
+UNRECORDED_S = 30.0
 
 
-def _longest_first(item) -> int:
-    path = item.nodeid.split("::", 1)[0]
-    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+def _longest_first(item) -> float:
+    return -MODULE_SECONDS.get(item.nodeid.split("::", 1)[0], UNRECORDED_S)
 
 
 def pytest_collection_modifyitems(items):

@@ -4,8 +4,9 @@ faults at seeded random moments of a real run (tests/e2e/test_chaos_*.py, test_s
 The faults are real: SIGKILL of the `ratchet worker` process (restarted, as a supervisor
 would), SIGKILL of the trainer and of the rollout actor processes (Ray does not restart
 them; the activities rebuild them: the trainer from its last checkpoint plus a replay of
-the logged updates), SIGKILL of the Temporal dev server (restarted on its database), and
-a restart of the Ray head (every actor lost at once).
+the logged updates), SIGKILL of PPO's critic actor (rebuilt the same way), SIGKILL of the
+Temporal dev server (restarted on its database), and a restart of the Ray head (every
+actor lost at once).
 """
 
 from __future__ import annotations
@@ -105,12 +106,21 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def inject(chaos: ChaosPlatform, run_dir: Path, seed: int, done: threading.Event) -> list[str]:
-    """At seeded random steps (and a random moment inside the step): the trainer actor, the
-    rollout actor, the worker process, the Temporal server, the Ray head."""
+# Every fault the injector knows, by name (`run_with_faults(kinds=...)` picks some).
+FAULTS = ("trainer", "rollout", "worker", "temporal", "ray")
+
+
+def inject(chaos: ChaosPlatform, run_dir: Path, seed: int, done: threading.Event, kinds: tuple[str, ...] = FAULTS) -> list[str]:
+    """At seeded random steps (and a random moment inside the step), one of each of `kinds`:
+    the trainer, rollout or critic actor, the worker process, the Temporal server, the Ray
+    head."""
     rng = random.Random(seed)
-    faults = [("trainer", lambda: chaos.kill_actor("TrainerWorker")), ("rollout", lambda: chaos.kill_actor("RolloutWorker")),
-              ("worker", chaos.kill_worker), ("temporal", chaos.kill_temporal), ("ray", chaos.restart_ray)]  # fmt: skip
+    known = {
+        "trainer": lambda: chaos.kill_actor("TrainerWorker"), "rollout": lambda: chaos.kill_actor("RolloutWorker"),
+        "critic": lambda: chaos.kill_actor("CriticWorker"), "worker": chaos.kill_worker, "temporal": chaos.kill_temporal,
+        "ray": chaos.restart_ray,
+    }  # fmt: skip
+    faults = [(name, known[name]) for name in kinds]
     at = sorted(rng.sample(range(1, STEPS - 1), len(faults)))
     rng.shuffle(faults)
     fired = []
@@ -126,12 +136,12 @@ def inject(chaos: ChaosPlatform, run_dir: Path, seed: int, done: threading.Event
     return fired
 
 
-def run_with_faults(chaos: ChaosPlatform, name: str, extra: list[str], seed: int):
+def run_with_faults(chaos: ChaosPlatform, name: str, extra: list[str], seed: int, kinds: tuple[str, ...] = FAULTS):
     handle = chaos.client.submit(RECIPE_PATH, chaos.overrides(*extra, f"tracking.name={name}"))
     run_dir = chaos.state / "runs" / handle.run_id
     done = threading.Event()
     fired: list[str] = []
-    injector = threading.Thread(target=lambda: fired.extend(inject(chaos, run_dir, seed, done)), daemon=True)
+    injector = threading.Thread(target=lambda: fired.extend(inject(chaos, run_dir, seed, done, kinds)), daemon=True)
     injector.start()
     try:
         summary = await_result(chaos, handle)

@@ -1,5 +1,9 @@
 """End to end through the real platform: Temporal dev server, Ray head, a `ratchet worker`
-process, the Python client. Seeded and CI-sized."""
+process, the Python client. Seeded and CI-sized.
+
+A trainer of two FSDP2 ranks goes through the platform in tests/e2e/test_resume.py (a
+resume onto 2 ranks and back) and tests/e2e/test_node_failure.py (2 ranks from the start,
+on two nodes): a separate 2-rank run here repeated theirs."""
 
 from __future__ import annotations
 
@@ -106,20 +110,3 @@ def test_history_replays_deterministically(grpo_run, platform):
     history = handle.history()
     # The platform's payloads are sealed (payload_codec): replay with the client's converter.
     asyncio.run(Replayer(workflows=[TrainingWorkflow], data_converter=platform.client._temporal.data_converter).replay_workflow(history))
-
-
-def test_fsdp2_trainer_with_two_ranks(platform):
-    """trainer.world_size=2: the policy is sharded with FSDP2 over gloo in two Ray actors."""
-    handle = platform.client.submit(
-        RECIPE_PATH,
-        platform.overrides(
-            "loop.steps=3", "loop.eval_every=0", "trainer.world_size=2", "resources.trainer_cpus=0.5",
-            "resources.rollout_cpus=0.5", "warmup.steps=2", "tracking.name=fsdp2",
-        ),
-    )  # fmt: skip
-    summary = handle.result(timeout=600)
-    assert summary.steps == 3 and summary.policy_version == 3
-    run = Path(summary.run_uri)
-    warm = load_file(run / "warmup/model/model.safetensors")
-    final = load_file(run / "final/model/model.safetensors")
-    assert any(not (warm[k] == final[k]).all() for k in warm)

@@ -13,9 +13,12 @@ has a planned loss, `ratchet drain` of a trainer rank's node, which must replay 
 node comes back a few seconds later (as a cluster manager would bring it back), rejoins
 under its name and takes work again.
 
-Every run must finish by itself with every step recorded once and every prompt trained
-once, and, in deterministic mode, with final weights equal bit for bit to an undisturbed
-run's: in sync and in fully_async mode. The recovery time of each fault (from the kill to
+The run must finish by itself with every step recorded once and every prompt trained
+once, and (deterministic mode) with final weights equal bit for bit to an undisturbed
+run's. One run, in sync mode: what a lost node takes (the rollout engine, a trainer rank,
+a worker) is what tests/e2e/test_chaos_async.py kills in fully_async mode, where the loop
+mode's own recovery (the policy log, the queue) is shown; a second loop mode here would
+repeat the node's part at twice the cost. The recovery time of each fault (from the kill to
 the next recorded step) is printed and written to `<state>/recovery.json`.
 """
 
@@ -43,8 +46,8 @@ from ..s3_server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
 from . import run_checks
 from .run_checks import assert_same_weights, steps_recorded
 
-# A hang guard above the suite-wide 600 s: each test runs a clean and a faulted run on a
-# cluster of five nodes, about 3-4 minutes on a loaded CI machine.
+# A hang guard above the suite-wide 600 s: the test runs a clean and a faulted run on a
+# cluster of five nodes, about 4-6 minutes on a loaded CI machine.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # Compute nodes (2 CPUs, no worker) and worker nodes (no CPUs, a ratchet worker each: the
@@ -320,10 +323,3 @@ def test_sync_run_survives_the_loss_of_each_kind_of_node_and_a_drain(cluster):
     check_node_run(cluster, clean, summary, run_id, fired, drained=True)
     logs = "".join(p.read_text(errors="replace") for p in cluster.settings.logs_dir.glob("node-*.log"))
     assert re.search(rf"run {run_id}: trainer rebuilt at v(\d+) from checkpoint step-0*\1 and 0 replayed updates", logs), logs[-3000:]
-
-
-def test_fully_async_run_survives_the_loss_of_each_kind_of_node(cluster):
-    extra = ["loop.mode=fully_async", "loop.max_staleness=2", "loop.queue_limit=3", "algorithm.off_policy.mode=tis"]
-    clean = _result(cluster, cluster.client.submit(RECIPE_PATH, cluster.overrides(*extra, "tracking.name=clean-async")).run_id)
-    summary, run_id, fired = run_with_node_faults(cluster, "nodes-async", extra, seed=12)
-    check_node_run(cluster, clean, summary, run_id, fired)

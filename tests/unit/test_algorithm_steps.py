@@ -11,7 +11,7 @@ import math
 import pytest
 
 from ratchet.platform.client import RECIPE_PATH
-from tests.algorithm_cases import ALIASES, CASES, FAST, STEPS, WORKFLOW_CASES
+from tests.algorithm_cases import ALIASES, CASES, FAST, STEPS, WORKFLOW_CASES, WORKFLOW_RUNS, combined
 
 # Metrics only the workflow records (the dynamic-sampling rounds it ran); the local loop
 # samples one round per step.
@@ -45,6 +45,10 @@ def test_every_registered_algorithm_has_a_case():
     }
     assert not any(missing.values()), f"no algorithm case runs {missing}"
     assert set(WORKFLOW_CASES) <= CASES.keys()
+    # Every workflow case goes through the platform in one of its runs, with flags that combine.
+    assert sorted(n for names in WORKFLOW_RUNS.values() for n in names) == sorted(WORKFLOW_CASES)
+    for names in WORKFLOW_RUNS.values():
+        load_config(RECIPE_PATH, [*FAST, *combined(names)[0]], check_files=False)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
