@@ -8,7 +8,7 @@ suite's length is its CPU time over two: what to cut is what this table shows, n
 waiting. Processes that were running before the tests started count from then on; one
 that lives less than half a second may be missed (its parent's `time` still has it).
 
-    .venv/bin/python benchmarks/suite_cpu.py tests/e2e/test_chaos_sync.py::test_sync_ppo_run_survives_every_fault_with_identical_weights
+    .venv/bin/python benchmarks/suite_cpu.py tests/e2e/test_chaos_sync.py::test_sync_run_survives_every_fault_with_identical_weights
     .venv/bin/python benchmarks/suite_cpu.py tests/e2e/test_e2e_algorithms.py -k "rloo_dual_clip or dapo or adaptive_kl"
 """
 

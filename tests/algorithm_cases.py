@@ -95,7 +95,7 @@ ALIASES = {"tir_optimal_token_baseline": "optimal_token_baseline", "geo_mean": "
 # controller), and rollouts one version behind (loop.mode=one_step_off). The other cases
 # differ only inside `train_step`, which the in-process matrix runs exactly as the trainer
 # actor does. The critic (gae) goes through the workflow in tests/e2e/test_chaos_sync.py,
-# a PPO run whose critic is killed and rebuilt.
+# a PPO run whose critic is killed and rebuilt (its metrics checked there).
 WORKFLOW_CASES = ("remax_cispo", "dapo", "adaptive_kl", "gmpo_icepop_k3_rejection")
 
 # How the platform runs them: each run combines cases whose flags do not overlap (a run
