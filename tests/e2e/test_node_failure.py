@@ -68,6 +68,30 @@ FAST_NODE_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeou
 AWS_ENV = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION}
 
 
+class NodeRestart:
+    """`start_node` in a thread of its own (the run goes on meanwhile), its error kept."""
+
+    # A hang guard only: a node start is seconds on an idle machine and has taken minutes
+    # on a loaded 2-core CI machine (three other nodes' actors importing torch beside it).
+    WAIT_S = 600.0
+
+    def __init__(self, settings: ServiceSettings, index: int):
+        self.index, self.error = index, None
+        self.thread = threading.Thread(target=self._start, args=(settings,), daemon=True)
+        self.thread.start()
+
+    def _start(self, settings: ServiceSettings) -> None:
+        try:
+            start_node(settings, self.index)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
+            self.error = exc
+
+    def wait(self) -> None:
+        self.thread.join(self.WAIT_S)
+        assert not self.thread.is_alive(), f"node {self.index} did not come back within {self.WAIT_S:.0f} s"
+        assert self.error is None, f"node {self.index} failed to start again: {self.error!r}"
+
+
 class Cluster:
     """Temporal, a Ray head without CPUs, `NODES` nodes with a worker each, and an S3 server."""
 
@@ -84,12 +108,12 @@ class Cluster:
         self.state = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-nodes-"))
         t, ui, r = free_ports(3)
         self.settings = ServiceSettings(
-            state_dir=self.state, temporal_port=t, temporal_ui_port=ui, ray_port=r, start_timeout_s=60.0, nodes=COMPUTE_NODES, node_cpus=2.0,
+            state_dir=self.state, temporal_port=t, temporal_ui_port=ui, ray_port=r, start_timeout_s=300.0, nodes=COMPUTE_NODES, node_cpus=2.0,
             node_workers=False, worker_nodes=WORKER_NODES,
         )
         up(self.settings)
         self.client = Client.connect(temporal_address(self.settings))
-        self.restarting: dict[int, threading.Thread] = {}  # node index -> its restart
+        self.restarting: dict[int, NodeRestart] = {}  # node index -> its restart
         self.drained: list[int] = []  # drained nodes, replaced once the run ends
 
     def overrides(self, *extra: str) -> list[str]:
@@ -136,14 +160,15 @@ class Cluster:
         """Kill node `index` whole; it comes back (a new Ray node, same name) as soon as it
         can. Another node may still be coming back: the run then waits for it."""
         if index in self.restarting:
-            self.restarting.pop(index).join(120)
+            self.restarting.pop(index).wait()
         ray_nodes.kill(self.record(index))
-        self.restarting[index] = threading.Thread(target=start_node, args=(self.settings, index), daemon=True)
-        self.restarting[index].start()
+        self.restarting[index] = NodeRestart(self.settings, index)
 
     def nodes_back(self) -> None:
-        for thread in self.restarting.values():
-            thread.join(120)
+        """Wait for every restart begun, however slow the machine: a node that is not back
+        when the test looks for it must be a failed start (raised here), never a slow one."""
+        for restart in self.restarting.values():
+            restart.wait()
         self.restarting.clear()
 
     def replace_node(self, index: int) -> None:

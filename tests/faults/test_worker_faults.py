@@ -321,7 +321,8 @@ def test_two_activities_that_find_the_trainer_gone_rebuild_it_once(platform, ray
         for th in threads:
             th.start()
         for th in threads:
-            th.join(120)
+            th.join(600)  # a hang guard: a rebuild is seconds idle, minutes on a loaded CI machine
+        assert not any(th.is_alive() for th in threads), "an activity still waits for the trainers"
         assert rebuilds == [0], rebuilds
         assert found[0] is not None and found[0]._actor_id == found[1]._actor_id
         assert ray_driver.get(found[0].policy_version.remote()) == 0
