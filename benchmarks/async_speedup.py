@@ -13,6 +13,7 @@ process; the achieved step time is compared with the ideal (generate + train for
 max(generate, train) for the overlapped modes).
 
     .venv/bin/python benchmarks/async_speedup.py [--steps 40] [--seeds 3] [--max-staleness 2] [--sim-steps 6]
+    .venv/bin/python benchmarks/async_speedup.py --smoke   # seconds: that it still runs (make test does)
 """
 
 
@@ -25,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
@@ -34,7 +34,10 @@ from rich.table import Table
 from ratchet.platform.assets import prepare_assets
 from ratchet.platform.client import RECIPE_PATH, Client, loop_plan
 from ratchet.platform.demo import start_worker_process, stop_worker_process
+from ratchet.platform.payload_key import key_file_path
 from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Generation costs per decode step, training per token: 6 prompts x 8 samples with answers
 # of up to 24 tokens make the two about equal on this machine (~0.25 and ~0.3 s in sync
@@ -92,7 +95,7 @@ def real_workload(work: Path, steps: int, seeds: int, console: Console) -> dict[
     worker = start_worker_process(settings)
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     try:
-        client = Client.connect(temporal_address(settings))
+        client = Client.connect(temporal_address(settings), payload_key_file=key_file_path(settings.state_dir))  # the key its worker holds
         for seed in range(seeds):
             for mode, extra in MODES.items():
                 summary = client.submit(RECIPE_PATH, [*base, f"seed={seed}", *SAME_ALGORITHM, *extra]).result()
@@ -119,89 +122,31 @@ def real_workload(work: Path, steps: int, seeds: int, console: Console) -> dict[
     return results
 
 
-class Simulation:
-    """Activities with the workflow's names that only sleep: orchestration measured alone."""
-
-    def __init__(self, work: Path, stage_seconds: float):
-        self.work, self.stage_seconds = work, stage_seconds
-        self.recorded: list[float] = []
-
-    def activities(self) -> list:
-        from temporalio import activity
-
-        from ratchet import types as t
-
-        def prepare_run(inp: t.PrepareInput) -> t.PrepareOutput:
-            return t.PrepareOutput(run=t.RunRef(inp.run_id, str(self.work / "sim")))
-
-        def warmup(inp: t.WarmupInput) -> t.WarmupOutput:
-            return t.WarmupOutput(policy_uri="sim", loss_first=0.0, loss_last=0.0, seconds=0.0)
-
-        def start_workers(inp: t.StartWorkersInput) -> t.StartWorkersOutput:
-            return t.StartWorkersOutput(policy_version=0, num_parameters=0, seconds=0.0)
-
-        def generate(inp: t.RolloutInput) -> t.BatchRef:
-            time.sleep(self.stage_seconds)
-            return t.BatchRef(
-                inp.run.run_id, inp.batch_index, "sim", inp.prompt_count, inp.prompt_count, 1, inp.policy_version,
-                prompt_start=inp.prompt_start, generate_seconds=self.stage_seconds,
-            )  # fmt: skip
-
-        def score(inp: t.ScoreInput) -> t.ScoreOutput:
-            return t.ScoreOutput(reward_mean=0.0, reward_std=0.0, seconds=0.0, informative_groups=inp.batch.num_prompts)
-
-        def train(inp: t.TrainInput) -> t.TrainOutput:
-            time.sleep(self.stage_seconds)
-            return t.TrainOutput(policy_version=inp.policy_version + 1, metrics={}, seconds=self.stage_seconds)
-
-        def sync_weights(inp: t.SyncInput) -> t.SyncOutput:
-            return t.SyncOutput(policy_version=inp.policy_version, seconds=0.0, megabytes=0.0)
-
-        def evaluate(inp: t.EvalInput) -> t.EvalOutput:
-            return t.EvalOutput(step=inp.step, reward_mean=0.0, num_samples=0)
-
-        def record_step(inp: t.StepRecord) -> None:
-            self.recorded.append(time.perf_counter())
-
-        def finish_run(inp: t.FinishInput) -> t.FinishOutput:
-            return t.FinishOutput(final_policy_uri="")
-
-        def release_run(inp: t.ReleaseInput) -> t.ReleaseOutput:
-            return t.ReleaseOutput()
-
-        fns = [prepare_run, warmup, start_workers, generate, score, train, sync_weights, evaluate, record_step, finish_run, release_run]
-        return [activity.defn(name=fn.__name__)(fn) for fn in fns]
-
-
-def simulated(work: Path, steps: int, stage_seconds: float) -> dict[str, float]:
-    """Steady-state step time per mode with activities that only sleep."""
-    from temporalio.testing import WorkflowEnvironment
-    from temporalio.worker import Worker
+def simulated(steps: int, stage_seconds: float) -> dict[str, float]:
+    """Steady-state step time per mode with activities that only sleep: the stand-ins the
+    workflow's own tests run it with (tests/faults/standins.py), so they answer every
+    activity the workflow calls, today's and tomorrow's; generate and train hold their
+    answer back `stage_seconds`, the rest answer at once."""
+    sys.path.insert(0, str(ROOT))  # tests/ (the stand-ins)
+    from tests.faults.standins import StandIns, dev_server, run_on, training_input
 
     from ratchet.config import load_config
-    from ratchet.types import TrainingInput
-    from ratchet.workflows.training import TrainingWorkflow
-
-    sim = Simulation(work, stage_seconds)
-    temporal = Path(sys.executable).parent / "temporal"
 
     async def run_all() -> dict[str, float]:
-        env = await WorkflowEnvironment.start_local(dev_server_existing_path=str(temporal), ui=False)
         out = {}
-        try:
-            with ThreadPoolExecutor(8) as pool:
-                worker = Worker(env.client, task_queue="sim", workflows=[TrainingWorkflow], activities=sim.activities(), activity_executor=pool)
-                async with worker:
-                    for mode, extra in MODES.items():
-                        cfg = load_config(RECIPE_PATH, [f"loop.steps={steps}", "data.eval_files=null", "checkpoint.every=0", *extra], check_files=False)
-                        inp = TrainingInput(run_id=f"sim-{mode}", config={}, plan=loop_plan(cfg))
-                        sim.recorded.clear()
-                        await env.client.execute_workflow("TrainingWorkflow", inp, id=f"sim-{mode}-{time.time_ns()}", task_queue="sim")
-                        # Steady state: between the first and the last step's record (the
-                        # first step of an overlapped mode cannot overlap anything).
-                        out[mode] = (sim.recorded[-1] - sim.recorded[0]) / (len(sim.recorded) - 1)
-        finally:
-            await env.shutdown()
+        async with dev_server() as env:
+            for mode, extra in MODES.items():
+                recorded: list[float] = []
+                standins = StandIns(
+                    delay={"generate": stage_seconds, "train": stage_seconds},
+                    answers={"record_step": lambda _: recorded.append(time.perf_counter())},
+                )
+                cfg = load_config(RECIPE_PATH, [f"loop.steps={steps}", "data.eval_files=null", "checkpoint.every=0", *extra], check_files=False)
+                inp = training_input(f"sim-{mode}-{time.time_ns()}", loop_plan(cfg))
+                await run_on(env.client, standins, inp, limit_s=60 + 10 * steps * stage_seconds)
+                # Steady state: between the first and the last step's record (the first
+                # step of an overlapped mode cannot overlap anything).
+                out[mode] = (recorded[-1] - recorded[0]) / (len(recorded) - 1)
         return out
 
     return asyncio.run(run_all())
@@ -215,13 +160,16 @@ def main() -> None:
     ap.add_argument("--skip-real", action="store_true")
     ap.add_argument("--seeds", type=int, default=3, help="runs per mode (seeds 0..N-1), interleaved across modes")
     ap.add_argument("--max-staleness", type=int, default=2, help="fully_async: loop.max_staleness (queue limit: one more)")
+    ap.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs: the orchestration part only, 3 steps of 0.1 s stages")
     args = ap.parse_args()
+    if args.smoke:
+        args.skip_real, args.sim_steps, args.stage_seconds = True, 3, 0.1
     MODES["fully_async"] = ["loop.mode=fully_async", f"loop.max_staleness={args.max_staleness}", f"loop.queue_limit={args.max_staleness + 1}"]
     console = Console(width=200)
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-speed-"))
     try:
         real = {} if args.skip_real else real_workload(work, args.steps, args.seeds, console)
-        sim = simulated(work, args.sim_steps, args.stage_seconds)
+        sim = simulated(args.sim_steps, args.stage_seconds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if real:
@@ -249,6 +197,7 @@ def main() -> None:
     for mode, step in sim.items():
         t.add_row(mode, f"{step:.2f}", f"{ideal[mode]:.2f}", f"{(step / ideal[mode] - 1) * 100:+.1f}%")
     console.print(t)
+    sys.stdout.flush()  # os._exit flushes nothing
     os._exit(0)  # the Temporal SDK can crash at interpreter exit
 
 

@@ -13,6 +13,7 @@ The ratchet numbers include what a checkpoint needs beyond raw transfer: sha256 
 byte (both ways), the manifest, and the atomic rename of downloads. Prints one table.
 
     .venv/bin/python benchmarks/checkpoint.py [--sizes-mb 100 1000] [--files 4]
+    .venv/bin/python benchmarks/checkpoint.py --smoke   # seconds: that it still runs (make test does)
 """
 
 from __future__ import annotations
@@ -179,7 +180,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000], help="checkpoint sizes in MiB")
     ap.add_argument("--files", type=int, default=4, help="shard files per checkpoint")
+    ap.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs (make test does): one 2 MiB checkpoint of 2 files")
     args = ap.parse_args()
+    if args.smoke:
+        args.sizes_mb, args.files = [2], 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("ratchet.storage").setLevel(logging.WARNING)
 

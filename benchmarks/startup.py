@@ -7,6 +7,7 @@ each phase (what `ratchet train`'s bar shows meanwhile).
 
     .venv/bin/python benchmarks/startup.py
     .venv/bin/python benchmarks/startup.py --before /tmp/before/src   # another source tree, side by side
+    .venv/bin/python benchmarks/startup.py --smoke   # that it still runs (make test does)
 
 `--before` runs the same benchmark first with that tree's code (a `src/` folder, say
 `git archive HEAD src | tar -x -C /tmp/before`), services and worker included, then with
@@ -32,11 +33,18 @@ HERE = Path(__file__).resolve()
 RECIPE = HERE.parents[1] / "examples" / "copy_grpo.yaml"  # this checkout's, whichever tree runs
 
 
-def measure(work: Path) -> dict[str, float]:
+FIRST_STEP_LIMIT_S = 600.0  # a hang guard: start-up is 20-60 s here
+# --smoke: the same measurement with one warm-up step and no evaluation (seconds less).
+SMOKE_OVERRIDES = ["warmup.steps=1", "data.eval_files=null"]
+
+
+def measure(work: Path, smoke: bool = False) -> dict[str, float]:
     """One start-up, in this process: {phase: seconds} (insertion order is the table's)."""
     from ratchet.platform.assets import prepare_assets
     from ratchet.platform.client import Client
     from ratchet.platform.demo import start_worker_process, stop_worker_process, wait_until_serving
+    from ratchet.platform.payload_codec import AesGcmCodec
+    from ratchet.platform.payload_key import key_file_path
     from ratchet.platform.services import ServiceSettings, down, free_ports, ray_address, ray_auth_env, temporal_address, up
     from ratchet.platform.worker import connect_ray
 
@@ -44,7 +52,7 @@ def measure(work: Path) -> dict[str, float]:
     train, evals = assets.data["copy"]
     overrides = [
         f"model.path={assets.model}", f"data.train_files={train}", f"data.eval_files={evals}",
-        f"storage.root={work / 'runs'}", "loop.steps=3", "tracking.name=startup",
+        f"storage.root={work / 'runs'}", "loop.steps=3", "tracking.name=startup", *(SMOKE_OVERRIDES if smoke else []),
     ]  # fmt: skip
     t, ui, r = free_ports(3)
     settings = ServiceSettings(state_dir=work / "svc", temporal_port=t, temporal_ui_port=ui, ray_port=r, start_timeout_s=60)
@@ -53,13 +61,15 @@ def measure(work: Path) -> dict[str, float]:
     try:
         wait_until_serving(settings, worker)
         connect_ray(ray_address(settings), ray_auth_env(settings))
-        client = Client.connect(temporal_address(settings))
+        client = Client.connect(temporal_address(settings), payload_key_file=key_file_path(settings.state_dir))  # the key its worker holds
         t0 = time.time()
         handle = client.submit(RECIPE, overrides)
         submitted = time.time()
-        seen = _watch_phases(handle, t0)
+        seen = _watch_phases(handle, t0, key_file_path(settings.state_dir))
         metrics = work / "runs" / handle.run_id / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().strip()):
+            if time.time() - t0 > FIRST_STEP_LIMIT_S:
+                raise TimeoutError(f"no step recorded {FIRST_STEP_LIMIT_S:.0f} s after the submit; the worker's log: {settings.logs_dir / 'worker.log'}")
             time.sleep(0.02)
         first = time.time()
         handle.stop()
@@ -74,7 +84,7 @@ def measure(work: Path) -> dict[str, float]:
         stop_worker_process(worker)
         down(settings)
     rows = {"client: validate the config, start the workflow": submitted - t0}
-    rows.update(_history_rows(history, t0, first, alive))
+    rows.update(_history_rows(history, t0, first, alive, AesGcmCodec(key_file_path(settings.state_dir))))
     rows["total: submit to the first metrics line"] = first - t0
     for phase, at in seen.first_seen.items():
         rows[f"progress first says {phase!r} at"] = at
@@ -84,13 +94,13 @@ def measure(work: Path) -> dict[str, float]:
 class _watch_phases:
     """The progress query every 0.1 s in a thread of its own: when each phase was first named."""
 
-    def __init__(self, handle, t0: float):
+    def __init__(self, handle, t0: float, key_file: Path):
         from ratchet.platform.client import Client
 
         self.first_seen: dict[str, float] = {}
         self._done = threading.Event()
         # A client of its own: the handle's event loop is not for two threads.
-        self._client = Client.connect(handle.client._temporal.service_client.config.target_host)
+        self._client = Client.connect(handle.client._temporal.service_client.config.target_host, payload_key_file=key_file)
         self._handle = self._client.get(handle.run_id)
         self._t0 = t0
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -125,7 +135,8 @@ def _actors_alive(run_id: str) -> dict[str, float]:
     return out
 
 
-def _history_rows(history, t0: float, first: float, alive: dict[str, float]) -> dict[str, float]:
+def _history_rows(history, t0: float, first: float, alive: dict[str, float], codec) -> dict[str, float]:
+    """`codec`: opens the history's payloads (sealed with the services' payload key)."""
     names, scheduled, started = {}, {}, {}
     rows: dict[str, float] = {}
     busy = 0.0
@@ -145,7 +156,7 @@ def _history_rows(history, t0: float, first: float, alive: dict[str, float]) -> 
             rows[label] = ts - started[sid]
             busy += ts - scheduled[sid]
             if name == "warmup":
-                result = json.loads(e.activity_task_completed_event_attributes.result.payloads[0].data)
+                result = json.loads(codec.open(e.activity_task_completed_event_attributes.result.payloads[0]).data)
                 rows["  warm-up: its training and save"] = result["seconds"]
                 rows["  warm-up: the rest (a process, imports, loading)"] = ts - started[sid] - result["seconds"]
             if name == "start_workers":
@@ -155,13 +166,13 @@ def _history_rows(history, t0: float, first: float, alive: dict[str, float]) -> 
     return rows
 
 
-def _one(work: Path, out: Path) -> None:
-    rows = measure(work)
+def _one(work: Path, out: Path, smoke: bool) -> None:
+    rows = measure(work, smoke)
     out.write_text(json.dumps(rows))
     os._exit(0)  # the Temporal SDK can crash at interpreter exit
 
 
-def _run_with(src: Path | None, label: str) -> dict[str, float]:
+def _run_with(src: Path | None, label: str, smoke: bool) -> dict[str, float]:
     """The benchmark in a fresh process (services included) with `src` first on the path;
     {} when it failed (its output says why)."""
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-start-"))
@@ -171,7 +182,8 @@ def _run_with(src: Path | None, label: str) -> dict[str, float]:
         env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     try:
         print(f"measuring {label} ...", file=sys.stderr, flush=True)
-        done = subprocess.run([sys.executable, str(HERE), "--one", str(work), str(out)], env=env, timeout=900)
+        smoke_flag = ["--smoke"] if smoke else []
+        done = subprocess.run([sys.executable, str(HERE), "--one", str(work), str(out), *smoke_flag], env=env, timeout=900)
         if done.returncode != 0 or not out.exists():
             print(f"{label}: the measurement failed (exit {done.returncode})", file=sys.stderr, flush=True)
             return {}
@@ -185,17 +197,18 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="a source tree (its src/ folder) to measure first, as the 'before' column")
     ap.add_argument("--after", type=Path, help="the source tree of the second column (default: this checkout's)")
     ap.add_argument("--one", nargs=2, type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="seconds less, to show the script still runs (make test does): one warm-up step, no evaluation")
     args = ap.parse_args()
     if args.one:
-        _one(*args.one)
+        _one(*args.one, args.smoke)
     from rich.console import Console
     from rich.table import Table
 
     columns = {}
     if args.before:
-        columns["before"] = _run_with(args.before.resolve(), "before")
+        columns["before"] = _run_with(args.before.resolve(), "before", args.smoke)
     label = "after" if args.before else "seconds"
-    columns[label] = _run_with(args.after.resolve() if args.after else None, label)
+    columns[label] = _run_with(args.after.resolve() if args.after else None, label, args.smoke)
     phases = list(dict.fromkeys(k for rows in columns.values() for k in rows))
     table = Table(title="start-up: submit to the first step (demo recipe; services and a worker already up)")
     table.add_column("phase", overflow="fold")
@@ -204,7 +217,8 @@ def main() -> None:
     for phase in phases:
         table.add_row(phase, *(f"{rows[phase]:.2f}" if phase in rows else "-" for rows in columns.values()))
     Console(width=200).print(table)
-    os._exit(0)
+    sys.stdout.flush()  # os._exit flushes nothing
+    os._exit(0 if all(columns.values()) else 1)  # a failed measurement fails the script
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ loop) are excluded. Per-step medians; the plain loop runs before and after ratch
 shared machine's load changes in between. Prints one table.
 
     .venv/bin/python benchmarks/step_overhead.py [--steps 20]
+    .venv/bin/python benchmarks/step_overhead.py --smoke   # seconds: that it still runs (make test does)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from ratchet.config import load_config
 from ratchet.platform.assets import prepare_assets
 from ratchet.platform.client import RECIPE_PATH, Client
 from ratchet.platform.demo import start_worker_process, stop_worker_process
+from ratchet.platform.payload_key import key_file_path
 from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
 from ratchet.workers.local_loop import LocalLoop
 
@@ -56,7 +59,7 @@ def ratchet_loop(overrides: list[str], steps: int, state: Path) -> dict[str, flo
     up(settings)
     worker = start_worker_process(settings)
     try:
-        client = Client.connect(temporal_address(settings))
+        client = Client.connect(temporal_address(settings), payload_key_file=key_file_path(settings.state_dir))  # the key its worker holds
         handle = client.submit(RECIPE_PATH, overrides)
         summary = handle.result()
         history = handle.history()
@@ -98,7 +101,10 @@ def ratchet_loop(overrides: list[str], steps: int, state: Path) -> dict[str, flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs (make test does): 3 steps")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps = 3
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-bench-"))
     try:
@@ -148,6 +154,7 @@ def main() -> None:
             f"  of which in the step activity, outside the phases: {in_activity_ms:.0f} ms; in Temporal between steps: "
             f"{temporal_ms:.0f} ms (activity dispatch {through['activity_queued'] * 1000:.0f} ms)"
         )
+    sys.stdout.flush()  # os._exit flushes nothing
     os._exit(0)  # the Temporal SDK can crash at interpreter exit
 
 

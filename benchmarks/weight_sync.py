@@ -13,6 +13,7 @@ the object store's bytes in use (the buckets in flight, shared by both). Buckete
 the extra is a few buckets, not a model copy. Prints one table.
 
     .venv/bin/python benchmarks/weight_sync.py [--sizes 100,1000] [--buckets 16,64,256] [--repeats 2]
+    .venv/bin/python benchmarks/weight_sync.py --smoke   # seconds: that it still runs (make test does)
 """
 
 from __future__ import annotations
@@ -218,7 +219,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,1000", help="model sizes in MB of float32 weights")
     parser.add_argument("--buckets", default="16,64,256", help="bucket bounds in MB (trainer.sync_bucket_mb)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs (make test does): a 4 MB model in 1 MB buckets, once")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.buckets, args.repeats = "4", "1", 1
     sizes = [float(x) for x in args.sizes.split(",")]
     buckets = [float(x) for x in args.buckets.split(",")]
     ray.init(num_cpus=4, object_store_memory=int(3 * 1024 * MB), include_dashboard=False, log_to_driver=False)

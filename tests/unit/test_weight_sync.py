@@ -372,8 +372,20 @@ def test_flat_buckets_round_trip():
     assert torch.equal(out[2][1], tensors[2])
 
 
+class _EveryReplicaReady:
+    """The relay rank 0 offers each bucket to (device_sync.BucketRelay): in a run it returns
+    once every replica asked for the bucket; here the one receiver always has."""
+
+    def offer(self, bucket) -> None:
+        pass
+
+    def fail(self, why: str) -> None:
+        raise AssertionError(why)
+
+
 def _broadcast_member(rank: int, port: int, backend: str, device: str, out_dir: str) -> None:
-    from ratchet.workers.weight_sync.nccl import broadcast_buckets, init_engine_group, receive_buckets
+    from ratchet.workers.weight_sync.device_sync import gather_and_broadcast
+    from ratchet.workers.weight_sync.nccl import bucket_layouts, init_engine_group, receive_bucket
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -382,21 +394,29 @@ def _broadcast_member(rank: int, port: int, backend: str, device: str, out_dir: 
     manifest = make_manifest(entries, engine_dtype="float32", bound_bytes=2000, version=4)
     group = init_engine_group("127.0.0.1", port, rank, 2, backend=backend)
     if rank == 0:
-        sent = broadcast_buckets(group, [(n, t.to(device)) for n, t in entries], manifest, device)
-        Path(out_dir, "sent").write_text(str(sent))
+        sent, failure = gather_and_broadcast([(n, t.to(device)) for n, t in entries], manifest, _EveryReplicaReady(), group, torch.device(device))
+        Path(out_dir, "sent").write_text(f"{sent} {failure!r}")
     else:
-        got = {n: t.cpu().clone() for bucket in receive_buckets(group, manifest, device) for n, t in bucket}
+        layouts = bucket_layouts(manifest)
+        got = {n: t.cpu().clone() for layout in layouts for n, t in receive_bucket(group, layout, device)}
         ok = list(got) == [n for n, _ in entries] and all(torch.equal(got[n], t) for n, t in entries)
-        Path(out_dir, "ok").write_text(str(ok))
+        Path(out_dir, "ok").write_text(f"{ok} {len(layouts)} {sum(layout.nbytes for layout in layouts)}")
 
 
 def test_broadcast_into_an_engine_group_with_gloo_standing_in(tmp_path):
     """The NCCL path's code (a separate group from its own TCPStore, flat buckets broadcast
-    from trainer rank 0) with gloo standing in for NCCL on CPU."""
+    from trainer rank 0: `gather_and_broadcast`, received by `receive_bucket` as an engine
+    worker does) with gloo standing in for NCCL on CPU, and a relay that is always ready
+    standing in for the Ray hand-shake (the CPU tests of device_sync cover that)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_broadcast_member, args=(free_port(), "gloo", "cpu", str(tmp_path)), nprocs=2, join=True)
-    assert (tmp_path / "ok").read_text() == "True" and int((tmp_path / "sent").read_text()) > 0
+    ok, buckets, flat_bytes = (tmp_path / "ok").read_text().split()
+    sent, failure = (tmp_path / "sent").read_text().split(" ", 1)
+    assert ok == "True" and int(buckets) > 1, (ok, buckets)  # several buckets, each arrived whole
+    # What rank 0 counts as sent is what the receiver's buffers held: every tensor's bytes
+    # (300 + 1600 + 10 float32/int64 elements) plus the alignment of each in its flat bucket.
+    assert failure == "None" and int(sent) == int(flat_bytes) >= (300 + 1600) * 4 + 10 * 8, (sent, flat_bytes, failure)
 
 
 # --------------------------------------------------------------------------- on a GPU

@@ -120,11 +120,6 @@ class TrainerWorker:
         host = node_address()
         return host, free_port(host)
 
-    def rendezvous_port(self) -> int:
-        """The port of `rendezvous_address` alone (callers from before ranks could be on
-        several nodes; they pass no address to `setup`, which then means 127.0.0.1)."""
-        return self.rendezvous_address()[1]
-
     def setup(self, master_port: int, master_addr: str | None = None) -> int:
         """Join the process group (all ranks at once) and load the policy; returns parameter
         count. `master_addr`/`master_port`: rank 0's `rendezvous_address` (no address:

@@ -27,10 +27,3 @@ LOOP_MODES: dict[str, LoopMode] = {
     "one_step_off": LoopMode("_one_step_off_loop", "batch n+1 is generated (weights of step n) while step n trains."),
     "fully_async": LoopMode("_fully_async_loop", "rollouts run ahead of the trainer, within max_staleness."),
 }
-
-
-def check_mode(name: str) -> str:
-    """`name` if it is a loop mode, else a ValueError listing them."""
-    if name not in LOOP_MODES:
-        raise ValueError(f"unknown loop mode {name!r}; registered: {', '.join(LOOP_MODES)}")
-    return name

@@ -61,10 +61,6 @@ class ServicesStatus:
     # The Temporal UI's codec server (codec_server.py), for a Temporal server ratchet runs.
     codec_server: ServiceState | None = None
 
-    @property
-    def all_running(self) -> bool:
-        return self.temporal.running and self.ray.running
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["object_store_root"] = str(self.object_store_root)

@@ -39,7 +39,7 @@ import torch
 
 from .buckets import Manifest, TensorSpec, WeightBucket, gather_tensors
 from .cuda_ipc import FlatLayout, flat_layout, flatten_bucket, open_shared, share, unflatten_bucket
-from .nccl import _from_rank0, bucket_layouts, init_engine_group
+from .nccl import _from_rank0, bucket_layouts, init_engine_group, receive_bucket
 from .protocol import STREAM_TIMEOUT_S, RelayedSource, SyncResult, call
 from .relay import BucketRelay, SyncAborted
 
@@ -204,10 +204,9 @@ class NcclSource(RelayedSource):
             for index, layout in enumerate(layouts):
                 # Ready for bucket i (and done with i - 1): rank 0 broadcasts once every replica is.
                 call(self.rank, "sync_take", self.sync_id, self.consumer, index, timeout_s=self.timeout_s)
-                flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.group.device)
-                self.group.group.broadcast([flat], _from_rank0()).wait()
-                yield WeightBucket(index=index, specs=layout.specs, arrays=[t for _, t in unflatten_bucket(flat, layout)])
-                del flat
+                views = receive_bucket(self.group.group, layout, self.group.device)
+                yield WeightBucket(index=index, specs=layout.specs, arrays=[t for _, t in views])
+                del views
             call(self.rank, "sync_take", self.sync_id, self.consumer, len(layouts), timeout_s=self.timeout_s)
             finished = True
         finally:

@@ -13,13 +13,11 @@ code with gloo standing in (tests/unit/test_weight_sync.py says so).
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Iterator
-
 import torch
 import torch.distributed as dist
 
-from .buckets import Manifest, gather_tensors
-from .cuda_ipc import FlatLayout, flat_layout, flatten_bucket, unflatten_bucket
+from .buckets import Manifest
+from .cuda_ipc import FlatLayout, flat_layout, unflatten_bucket
 
 
 def init_engine_group(host: str, port: int, rank: int, world_size: int, *, backend: str = "nccl", timeout_s: float = 300.0):
@@ -43,28 +41,9 @@ def bucket_layouts(manifest: Manifest) -> list[FlatLayout]:
     return [flat_layout(tuple(manifest.specs[i] for i in members)) for members in manifest.buckets]
 
 
-def broadcast_buckets(group, entries: list, manifest: Manifest, device: str | torch.device) -> int:
-    """Every trainer rank (the gathers are collectives); rank 0, the one holding `group`
-    (None on the others), broadcasts each bucket flat on `device` to the engine group in
-    manifest order, without a round trip through host memory. Returns the bytes sent.
-    One flat bucket is alive at a time."""
-    sent = 0
-    for specs, tensors in gather_tensors(entries, manifest):
-        if group is not None:
-            layout = flat_layout(specs)
-            flat = flatten_bucket(tensors, layout, device)
-            group.broadcast([flat], _from_rank0()).wait()
-            sent += layout.nbytes
-            del flat
-        del tensors
-    return sent
-
-
-def receive_buckets(group, manifest: Manifest, device: str | torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """An engine worker: each bucket's (name, tensor) views as it arrives, in manifest
-    order; the buffer is reused for the next bucket once the caller moved on."""
-    for layout in bucket_layouts(manifest):
-        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        group.broadcast([flat], _from_rank0()).wait()
-        yield unflatten_bucket(flat, layout)
-        del flat
+def receive_bucket(group, layout: FlatLayout, device: str | torch.device) -> list[tuple[str, torch.Tensor]]:
+    """An engine worker's receipt of one bucket, broadcast flat by trainer rank 0
+    (device_sync.gather_and_broadcast): (name, tensor) views into a buffer of its own."""
+    flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    group.broadcast([flat], _from_rank0()).wait()
+    return unflatten_bucket(flat, layout)
