@@ -86,7 +86,11 @@ $(BWRAP):
 # Two test processes: most of the suite waits (on services, timeouts, a 30 s outage), so
 # two files at a time fill the two cores CI has. A file stays in one process (--dist
 # loadfile), so module fixtures are shared; each process starts its own platform.
+# ruff first: an unused, undefined or redefined name fails in a second, not after the suite.
+LINT := $(VENV)/bin/ruff check --quiet src tests benchmarks
+
 test: $(STAMP) $(BROWSER) $(COMPOSE) $(BWRAP)
+	$(LINT)
 	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25 -n 2 --dist loadfile --no-loadscope-reorder -m "not benchmark_smoke"
 
 # The benchmarks' smoke runs that each start a Ray or a whole platform of their own: 1-2
@@ -97,6 +101,7 @@ bench-smoke: $(STAMP)
 # Everything that starts no Ray: unit tests, bad input, storage on the S3 server, the
 # loop modes on a Temporal dev server with stand-in activities.
 test-fast: $(STAMP) $(BWRAP)
+	$(LINT)
 	$(PY) -m pytest -q -x -p no:cacheprovider -m "not integration"
 
 clean:

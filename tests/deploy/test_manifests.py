@@ -232,9 +232,9 @@ def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
 
 def _dockerignore_allows(dockerfile: Path, path: str) -> bool:
     """The whitelist .dockerignore next to the Dockerfile (`**`, then `!path` lines)."""
-    lines = [l.strip() for l in Path(f"{dockerfile}.dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = [x.strip() for x in Path(f"{dockerfile}.dockerignore").read_text().splitlines() if x.strip() and not x.startswith("#")]
     assert lines[0] == "**", "the .dockerignore starts by excluding everything"
-    allowed = [l[1:] for l in lines if l.startswith("!")]
+    allowed = [line[1:] for line in lines if line.startswith("!")]
     return any(path == a or path.startswith(a.rstrip("/") + "/") for a in allowed)
 
 
@@ -278,7 +278,7 @@ def test_commands_the_images_and_manifests_run_exist_in_the_cli():
     commands = typer.main.get_command(app).commands
     options = {name: {opt for p in cmd.params for opt in getattr(p, "opts", [])} for name, cmd in commands.items()}
     files = (IMAGES / "Dockerfile.cpu", IMAGES / "Dockerfile.cuda", IMAGES / "ratchet-node.sh")
-    used = "\n".join(l for p in files for l in p.read_text().splitlines() if not l.lstrip().startswith("#"))
+    used = "\n".join(line for p in files for line in p.read_text().splitlines() if not line.lstrip().startswith("#"))
     # `ratchet CMD --opt` where a shell command starts (line start, RUN, &&, ;, |).
     calls = re.findall(r"(?:^|RUN|&&|;|\|)\s*ratchet (\w[\w-]*)((?: --[\w-]+)*)", used, re.M)
     assert {c for c, _ in calls} >= {"prepare", "worker"}

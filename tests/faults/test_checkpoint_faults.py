@@ -174,7 +174,7 @@ def test_seal_refuses_bytes_changed_after_their_upload(ckpts, tmp_path, monkeypa
     ckpts.commit("step-00000001", local_checkpoint(tmp_path / "a", 1), {"step": 1})
     attempt = ckpts.begin("step-00000002")
     files = ckpts.upload("step-00000002", local_checkpoint(tmp_path / "b", 2), attempt)
-    key = f"checkpoints/step-00000002/trainer/shard-1.safetensors"
+    key = "checkpoints/step-00000002/trainer/shard-1.safetensors"
     data = ckpts.store.get_bytes(key)
     ckpts.store.put_bytes(key, b"\0" + data[1:])  # changed after the upload, before the seal
     with pytest.raises(SealMismatch, match=r"not committed: .*trainer/shard-1.safetensors: sha256") as caught:
