@@ -137,7 +137,7 @@ def test_a_worker_ratchet_starts_waits_for_a_server_that_is_restarting(tmp_path)
     proc = start_worker_process(ServiceSettings(state_dir=tmp_path, temporal_port=t, ray_port=r))
     log = tmp_path / "logs" / "worker.log"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a hang guard: a worker start is seconds idle, a minute or more on a loaded 2-core machine
         while "waiting up to" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()
             time.sleep(0.2)
