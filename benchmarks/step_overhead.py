@@ -34,8 +34,7 @@ from ratchet.config import load_config
 from ratchet.platform.assets import prepare_assets
 from ratchet.platform.client import RECIPE_PATH, Client
 from ratchet.platform.demo import start_worker_process, stop_worker_process
-from ratchet.platform.payload_key import key_file_path
-from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
+from ratchet.platform.services import ServiceSettings, down, free_ports, up
 from ratchet.workers.local_loop import LocalLoop
 
 
@@ -59,7 +58,7 @@ def ratchet_loop(overrides: list[str], steps: int, state: Path) -> dict[str, flo
     up(settings)
     worker = start_worker_process(settings)
     try:
-        client = Client.connect(temporal_address(settings), payload_key_file=key_file_path(settings.state_dir))  # the key its worker holds
+        client = Client.of_services(settings)  # the key its worker holds
         handle = client.submit(RECIPE_PATH, overrides)
         summary = handle.result()
         history = handle.history()

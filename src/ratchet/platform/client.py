@@ -219,6 +219,16 @@ class Client:
         temporal = loop.run_until_complete(TemporalClient.connect(address, **options))
         return cls(temporal, loop, task_queue)
 
+    @classmethod
+    def of_services(cls, settings) -> "Client":
+        """A client of the services `settings` started (`services.up`): their Temporal
+        address, and the payload key their workers hold ($RATCHET_PAYLOAD_KEY_FILE, else
+        the key in *their* state folder; `connect` would take the default folder's)."""
+        from .payload_key import key_file_path
+        from .services import temporal_address
+
+        return cls.connect(temporal_address(settings), payload_key_file=key_file_path(settings.state_dir))
+
     def _run(self, coro):
         return self._loop.run_until_complete(coro)
 

@@ -97,7 +97,7 @@ def run_demo(settings: ServiceSettings, overrides: Sequence[str], console: Conso
     console.print("[bold]3/4[/bold] starting a worker")
     worker = start_worker_process(settings)
     try:
-        client = Client.connect(temporal_address(settings), payload_key_file=key_file_path(settings.state_dir))
+        client = Client.of_services(settings)
         handle = client.submit(RECIPE, [*paths, *overrides])
         console.print(f"[bold]4/4[/bold] training: run [bold]{handle.run_id}[/bold]", soft_wrap=True)
         # Links and paths are printed whole (soft_wrap): a line break inside one breaks it.
