@@ -137,7 +137,7 @@ def measure(w: Workload, engine_name: str, repeats: int, storage: Path) -> Measu
     from ratchet.workers.prompts import PromptSet
     from ratchet.workers.actors.placement import actor_env
     from ratchet.workers.rollout import RolloutWorker
-    from ratchet.workers.rollout_batching import prompt_seeds, sampling_seed
+    from ratchet.workers.batch_seeds import prompt_seeds, sampling_seed
 
     cfg = run_config(w, engine_name, storage)
     engine = build_engine(cfg, str(w.model))

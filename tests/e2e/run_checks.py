@@ -17,7 +17,7 @@ from ratchet.config.schema import RunConfig
 from ratchet.data.order import data_order_seed
 from ratchet.storage import BatchStore, ObjectStore, RunLayout
 from ratchet.workers.batch import RolloutBatch
-from ratchet.workers.rollout_batching import prompt_indices
+from ratchet.workers.batch_seeds import prompt_indices
 
 
 def _store(run: str | Path) -> ObjectStore:

@@ -86,7 +86,8 @@ def reference_batch(cfg, run_dir: Path, batch_index: int):
     from ratchet.workers.engines import HFEngine, SamplingParams
     from ratchet.workers.multi_turn import MultiTurnRollout
     from ratchet.workers.prompts import PromptSet
-    from ratchet.workers.rollout_batching import generate_batch, prompt_indices, sampling_seed
+    from ratchet.workers.batch_seeds import prompt_indices, sampling_seed
+    from ratchet.workers.rollout_batching import generate_batch
 
     engine = HFEngine(str(run_dir / "warmup" / "model"))
     prompts = PromptSet.from_config(cfg.data, cfg.data.train_files, engine.tokenizer)

@@ -28,7 +28,7 @@ from ratchet.tasks.generate import make_rows
 from ratchet.tasks.loading import RewardFunction, RewardLoadError, load_reward_fn
 from ratchet.workers.batch import RolloutBatch
 from ratchet.workers.prompts import PromptSet
-from ratchet.workers.rollout_batching import prompt_indices
+from ratchet.workers.batch_seeds import prompt_indices
 from ratchet.workers.scoring import score_batch
 
 torch.set_num_threads(1)

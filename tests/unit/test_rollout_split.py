@@ -12,7 +12,8 @@ from ratchet.workers.actors.rollout_pool import Share, plan_shares, split_by_loa
 from ratchet.workers.batch import RolloutBatch
 from ratchet.workers.engines import HFEngine, SamplingParams
 from ratchet.workers.prompts import PromptSet
-from ratchet.workers.rollout_batching import generate_batch, prompt_seeds
+from ratchet.workers.batch_seeds import prompt_seeds
+from ratchet.workers.rollout_batching import generate_batch
 
 torch.set_num_threads(1)
 

@@ -18,7 +18,6 @@ from ratchet.models.tiny import VOCAB
 from ratchet.storage import RunLayout
 from ratchet.workers.batch import RolloutBatch, ScoredStep
 from ratchet.workers.checkpointing import (
-    enable_determinism,
     load_trainer_state,
     read_meta,
     save_trainer_state,
@@ -26,6 +25,7 @@ from ratchet.workers.checkpointing import (
     write_snapshot,
 )
 from ratchet.workers.policy_update import PolicyTrainer
+from ratchet.workers.runtime import enable_determinism
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -22,7 +22,8 @@ from ratchet.workers.batch import RolloutBatch, ScoredStep, load_scores, save_sc
 from ratchet.workers.engines import HFEngine, SamplingParams
 from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_logprobs
 from ratchet.workers.prompts import PromptSet
-from ratchet.workers.rollout_batching import generate_batch, prompt_indices, prompt_seeds
+from ratchet.workers.batch_seeds import prompt_indices, prompt_seeds
+from ratchet.workers.rollout_batching import generate_batch
 from ratchet.workers.scoring import score_batch
 from ..configs import make_cfg
 
@@ -143,11 +144,11 @@ def recording_engine():
 
 
 def test_local_loop_samples_what_the_rollout_worker_samples(tiny_model, copy_data, tmp_path, recording_engine):
-    """One seed formula (`rollout_batching.sampling_seed`) for both: the local loop's step 3
+    """One seed formula (`batch_seeds.sampling_seed`) for both: the local loop's step 3
     draws the seed, and so the samples, of the workflow's batch 3; a refill round another."""
     from ratchet.workers.local_loop import LocalLoop
     from ratchet.workers.rollout import RolloutWorker
-    from ratchet.workers.rollout_batching import sampling_seed
+    from ratchet.workers.batch_seeds import sampling_seed
 
     cfg = RunConfig.model_validate(
         {
@@ -310,7 +311,7 @@ def test_generate_batch_shapes_masks_and_versions(engine, ragged_prompts):
     indices = [by_length[n] for n in sorted(by_length)[:3]]  # three different prompt lengths
     params = SamplingParams(n=4, max_new_tokens=6, seed=3)
     batch = generate_batch(engine, ragged_prompts, indices, params, policy_version=3, pad_id=PAD)
-    # generate_batch seeds each prompt by its position in the batch (rollout_batching.prompt_seeds).
+    # generate_batch seeds each prompt by its position in the batch (batch_seeds.prompt_seeds).
     seeded = replace(params, prompt_seeds=prompt_seeds(params.seed, 0, len(indices)))
     groups = engine.generate([ragged_prompts.token_ids[i] for i in indices], seeded)
     gens = [g for grp in groups for g in grp]

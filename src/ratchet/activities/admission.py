@@ -35,6 +35,7 @@ from ratchet.errors import DomainError
 from ratchet.ids import check_id
 from ratchet.workers.actors import admission, placement, release_run_actors
 
+from .run_config import stored_run_config
 from .translate import domain_error
 
 log = logging.getLogger(__name__)
@@ -82,10 +83,8 @@ async def admit_run(inp: AdmitInput) -> AdmitOutput:
 
 
 async def _run(inp: AdmitInput) -> _Run:
-    from .training import _run_config  # imports this module
-
     run_id = check_id(inp.run.run_id)
-    cfg = await asyncio.to_thread(_run_config, inp.run.run_uri, inp.run.config_id)
+    cfg = await asyncio.to_thread(stored_run_config, inp.run.run_uri, inp.run.config_id)
     plan = plan_placement(cfg)
     await asyncio.to_thread(placement.check_never_fits, run_id, cfg, plan)
     return _Run(run_id, cfg, plan, placement.run_need(cfg, plan))

@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import time
-from functools import lru_cache
 
 import temporalio.converter
 from temporalio import activity
@@ -32,6 +31,7 @@ from ratchet.workers.results import CheckpointOutcome, CheckpointStarted
 from . import registry_calls
 from . import tracking_calls
 from .admission import admit_run
+from .run_config import stored_run_config
 from .ray_calls import ACTIVITY_WAITER, wait
 from .translate import temporal_errors
 
@@ -40,19 +40,13 @@ log = logging.getLogger(__name__)
 PAYLOADS = temporalio.converter.default().payload_converter
 
 
-@lru_cache(maxsize=64)
-def _run_config(run_uri: str, config_id: str = "") -> RunConfig:
-    # A stored config never changes under its id (a resume with a new one gets a new id).
-    return RunConfig.model_validate(ObjectStore(run_uri).get_json(RunLayout.CONFIG))
-
-
 def config_digest(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def actors_for(run: t.RunRef) -> RunActors:
     """The run's actors, waiting on them with heartbeats."""
-    return RunActors(run.run_id, run.run_uri, _run_config(run.run_uri, run.config_id), waiter=ACTIVITY_WAITER)
+    return RunActors(run.run_id, run.run_uri, stored_run_config(run.run_uri, run.config_id), waiter=ACTIVITY_WAITER)
 
 
 @activity.defn(name="prepare_run")
@@ -73,7 +67,7 @@ def prepare_run(inp: t.PrepareInput) -> t.PrepareOutput:
 @activity.defn(name="warmup")
 @temporal_errors
 def warmup(inp: t.WarmupInput) -> t.WarmupOutput:
-    cfg = _run_config(inp.run.run_uri, inp.run.config_id)
+    cfg = stored_run_config(inp.run.run_uri, inp.run.config_id)
     if cfg.warmup.steps == 0:
         return t.WarmupOutput(policy_uri=cfg.model.path, loss_first=0.0, loss_last=0.0, seconds=0.0)
     actors = actors_for(inp.run)
@@ -314,7 +308,7 @@ def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.
 @temporal_errors
 def evaluate(inp: t.EvalInput) -> t.EvalOutput:
     """Greedy answers on the fixed eval prompts, scored by the reward worker."""
-    cfg = _run_config(inp.run.run_uri, inp.run.config_id)
+    cfg = stored_run_config(inp.run.run_uri, inp.run.config_id)
     actors = actors_for(inp.run)
     gen = wait(actors.rollout(inp.policy_version).generate_eval.remote(inp.step, cfg.data.eval_size))
     out = actors.score(inp.step, RunLayout.EVALS)  # eval batches are stored by training step
@@ -395,7 +389,7 @@ def write_record(inp: t.StepRecord) -> None:
 @temporal_errors
 def finish_run(inp: t.FinishInput) -> t.FinishOutput:
     """Export the final policy and release the run's actors."""
-    cfg = _run_config(inp.run.run_uri, inp.run.config_id)
+    cfg = stored_run_config(inp.run.run_uri, inp.run.config_id)
     actors = actors_for(inp.run)
     uri = ""
     ranks = actors.trainers(inp.policy_version)

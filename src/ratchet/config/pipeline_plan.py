@@ -44,9 +44,8 @@ def rl_stage_dict(cfg: RunConfig, index: int) -> dict[str, Any]:
 
 
 def rl_stage_config(cfg: RunConfig, index: int) -> RunConfig:
-    from ratchet.config.schema import RunConfig
-
-    return RunConfig.model_validate(rl_stage_dict(cfg, index))
+    # type(cfg): the schema's RunConfig, without importing the schema that calls this module.
+    return type(cfg).model_validate(rl_stage_dict(cfg, index))
 
 
 def stage_problems(cfg: RunConfig) -> list[str]:

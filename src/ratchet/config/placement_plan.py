@@ -9,7 +9,7 @@ device. Trainer and rollout in one pool is *colocated* (the engine sleeps while 
 trainer runs); in two pools, *split*. No pools (the default): every actor reserves its
 `resources.*_cpus` from the whole cluster, as before pools existed.
 
-Imports nothing heavy: the config schema calls `placement_problems` while validating.
+Imports nothing heavy: the config schema calls `plan_placement` while validating.
 """
 
 from __future__ import annotations
@@ -98,18 +98,6 @@ def roles_used(cfg: RunConfig) -> list[str]:
 def rollout_devices(cfg: RunConfig) -> int:
     """GPUs one rollout replica shards its model over (the engine's tensor parallel size)."""
     return int(cfg.rollout.engine_options().get("tensor_parallel_size", 1)) if hasattr(cfg.rollout, "engine_options") else 1
-
-
-def placement_problems(cfg: RunConfig) -> list[Problem]:
-    """Everything wrong with `resources.pools` for this config, and with a forced
-    `trainer.sync_transport` it cannot carry (empty: it can be placed)."""
-    try:
-        plan = plan_placement(cfg)
-    except PlacementProblem as exc:
-        return exc.problems
-    from .sync_transport import transport_problems  # imports this module
-
-    return transport_problems(plan, cfg)
 
 
 def plan_placement(cfg: RunConfig) -> PlacementPlan:

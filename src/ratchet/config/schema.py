@@ -23,17 +23,18 @@ from pydantic import Discriminator, Tag
 from ratchet.algorithms.catalog import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
 from ratchet.algorithms.off_policy_settings import as_is_weights, as_rejection, criterion_problems, is_weights_problems, mode_problems
 from ratchet.algorithms.off_policy_settings import rejection_problems
-from ratchet.config.placement_plan import POOL_ROLES, placement_problems, problems_text
+from ratchet.config.placement_plan import POOL_ROLES, PlacementProblem, plan_placement, problems_text
+from ratchet.config.sync_transport import transport_problems
 from ratchet.storage import schemes
 from ratchet.storage.layout import RunLayout
 from ratchet.workers.engines.catalog import ENGINES
 from ratchet.workflows.modes import LOOP_MODES
 
 # The per-batch sampling seed is `(seed * 1_000_003 + batch) * 101 + part`
-# (workers/rollout_batching.sampling_seed; `part` < algorithm.max_sampling_rounds). With
+# (workers/batch_seeds.sampling_seed; `part` < algorithm.max_sampling_rounds). With
 # these bounds it stays below 4.4e17, far under the 2**63 that torch.manual_seed and int64
 # tensors accept, and distinct per (batch, part).
-MAX_SEED = 2**32 - 1  # numpy's seed range too (checkpointing.enable_determinism)
+MAX_SEED = 2**32 - 1  # numpy's seed range too (workers/runtime.enable_determinism)
 MAX_STEPS = 10**9
 MAX_SAMPLING_ROUNDS = 100  # < 101, the multiplier that keeps per-part seeds distinct
 
@@ -992,8 +993,12 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _placement_fits(self) -> "RunConfig":
-        """resources.pools: every role on one pool, each pool big enough (placement_plan.py)."""
-        problems = placement_problems(self)
+        """resources.pools: every role on one pool, each pool big enough (placement_plan.py),
+        and a forced `trainer.sync_transport` that placement can carry (sync_transport.py)."""
+        try:
+            problems = transport_problems(plan_placement(self), self)
+        except PlacementProblem as exc:
+            problems = exc.problems
         if problems:
             raise ValueError(problems_text(problems))
         return self

@@ -3,7 +3,7 @@ permutation of the dataset derived from (data seed, epoch) only.
 
 The workflow keeps one durable counter, the prompt frontier (`RunState.next_prompt`): how
 many prompt positions have been handed out. Position p is row `epoch_order(seed, p //
-rows, rows)[p % rows]` (workers/rollout_batching.prompt_indices), so the order is the same
+rows, rows)[p % rows]` (workers/batch_seeds.prompt_indices), so the order is the same
 on every machine, after every resume and retry, and the local loop draws what the
 workflow does; nothing about the order is stored.
 

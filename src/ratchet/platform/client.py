@@ -13,28 +13,20 @@ loop of its own.
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 from ratchet.ids import check_id
 from ratchet.config.loop_plan import loop_plan
-from ratchet.types import TASK_QUEUE, BatchStatus, LiveChange, Progress, RunState, RunSummary, TrainingInput, upgrade_run_state
+from ratchet.types import TASK_QUEUE, BatchStatus, LiveChange, Progress, RunState, RunSummary, TrainingInput
 from .handles import WorkflowHandle, command_for  # noqa: F401 - command_for: re-exported for senders
+from .stored_runs import make_run_id, read_run_state, stored_config_with  # noqa: F401 - read_run_state: re-exported
 from .taken_ids import check_new_run_id
 
 WORKFLOW = "TrainingWorkflow"
 # The demo recipe, in a source checkout.
 RECIPE_PATH = Path(__file__).resolve().parents[3] / "examples" / "copy_grpo.yaml"
-
-
-def _json_payload(data: bytes):
-    from temporalio.api.common.v1 import Payload
-
-    return Payload(metadata={"encoding": b"json/plain"}, data=data)
 
 
 class RunIsLive(RuntimeError):
@@ -60,26 +52,6 @@ class LiveChangeRefused(ValueError):
     value its config field refuses, or a run that is not training any more."""
 
 
-def read_run_state(raw: bytes) -> RunState:
-    """A checkpoint's `run_state.json` as the RunState a resume carries on from; one written
-    by an older ratchet (a per-step `rewards` list) is converted."""
-    from temporalio.converter import default as default_converter
-
-    data = json.dumps(upgrade_run_state(json.loads(raw))).encode()
-    return default_converter().payload_converter.from_payloads([_json_payload(data)], [RunState])[0]
-
-
-def _normalised(stored: dict) -> dict:
-    """A stored config with today's defaults filled in, so that a key added to the schema
-    since the run started does not count as changed by the resume."""
-    from ratchet.config import RunConfig
-
-    try:
-        return RunConfig.model_validate(stored).model_dump(mode="json")
-    except ValueError:  # a check added since: load_config reports it with the new config
-        return stored
-
-
 def _retire_unless_rewritten(checkpoints, old) -> None:
     """Retire checkpoint `old` if its manifest is still the one listed before the resume."""
     try:
@@ -88,28 +60,6 @@ def _retire_unless_rewritten(checkpoints, old) -> None:
     except FileNotFoundError:
         return
     checkpoints.retire(old.name)
-
-
-def make_run_id(name: str) -> str:
-    return f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
-
-
-def stored_config_with(run_id: str, root: str | None, overrides: Sequence[str]):
-    """A run's stored config plus `overrides`, checked as a resume checks them (what a
-    resume and a fork both start from): (run folder, stored config, new config, changed keys)."""
-    from ratchet.config import load_config
-    from ratchet.config.resume_keys import check_resume_changes
-    from ratchet.storage import ObjectStore
-    from ratchet.storage.layout import RunLayout
-
-    root = root or RunLayout.DEFAULT_ROOT
-    run_store = ObjectStore(root).child(run_id)
-    if not run_store.exists(RunLayout.CONFIG):
-        raise FileNotFoundError(f"no run {run_id!r} under {root} (pass --root, the run's storage.root)")
-    stored = run_store.get_json(RunLayout.CONFIG)
-    cfg = load_config(None, overrides, base=stored)
-    changed = check_resume_changes(_normalised(stored), cfg.model_dump(mode="json"))
-    return run_store, stored, cfg, changed
 
 
 @dataclass
@@ -388,9 +338,11 @@ class Client:
         with `overrides` (the keys a resume may change: ratchet.config.resume_keys), linked
         to its parent (TrainingInput.lineage). The parent's folder is only read; see
         src/ratchet/platform/fork.py."""
-        from .fork import fork
+        from .fork import prepare_fork
 
-        return fork(self, run_id, checkpoint, overrides, root=root, new_run_id=new_run_id)
+        child = prepare_fork(self, run_id, checkpoint, overrides, root=root, new_run_id=new_run_id)
+        self._start_run(child.inp, memo=child.memo)  # its summary, details and search attributes (ratchet_parent)
+        return RunHandle(self, child.inp.run_id)
 
     def find(self, where: str, *, limit: int = 200):
         """Runs by their search attributes: `client.find("ratchet_reward > 0.3")` ->

@@ -16,18 +16,20 @@ from __future__ import annotations
 import logging
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from ratchet.ids import check_id
 from ratchet.types import RunLineage, TrainingInput
 
+from .stored_runs import make_run_id, read_run_state, stored_config_with
 from .taken_ids import check_new_run_id
 
 if TYPE_CHECKING:
     from ratchet.storage import ObjectStore
 
-    from .client import Client, RunHandle
+    from .taken_ids import KnowsWorkflows
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +61,24 @@ def copy_tree(src: ObjectStore, dst: ObjectStore, prefix: str) -> int:
     return len(keys)
 
 
-def fork(
-    client: Client, run_id: str, checkpoint: str, overrides: Sequence[str] = (), *, root: str | None = None,
+@dataclass(frozen=True)
+class ForkStart:
+    """What `Client.fork` starts: the child's workflow input and its memo."""
+
+    inp: TrainingInput
+    memo: dict
+
+
+def prepare_fork(
+    client: KnowsWorkflows, run_id: str, checkpoint: str, overrides: Sequence[str] = (), *, root: str | None = None,
     new_run_id: str | None = None,
-) -> RunHandle:  # fmt: skip
-    """Start a new run from checkpoint `checkpoint` of run `run_id` (see the module doc)."""
+) -> ForkStart:  # fmt: skip
+    """The child of checkpoint `checkpoint` of run `run_id` (see the module doc), its folder
+    holding the copied checkpoint; `client` only answers whether the child's id is taken."""
     from ratchet.config.live_keys import without
+    from ratchet.config.loop_plan import loop_plan
     from ratchet.storage import CheckpointStore, ObjectStore
     from ratchet.storage.layout import RunLayout
-
-    from .client import RunHandle, loop_plan, make_run_id, read_run_state, stored_config_with
 
     check_id(run_id)
     name = check_id(checkpoint_name(checkpoint), "checkpoint name")
@@ -105,5 +115,4 @@ def fork(
         restore_from=name,  # progress reads `restoring from <name>` until the first step
     )
     memo = {"tags": cfg.tracking.tags, "model": cfg.model.path, "steps": cfg.loop.steps, "parent": f"{run_id}/{name}"}
-    client._start_run(inp, memo=memo)  # its summary, details and search attributes (ratchet_parent)
-    return RunHandle(client, child_id)
+    return ForkStart(inp=inp, memo=memo)

@@ -134,17 +134,3 @@ def upload_parts(stream: BinaryIO, size: int, part_size: int, concurrency: int, 
         if f.exception() is not None:
             raise f.exception()
     return [f.result() for f in futures]
-
-
-# --------------------------------------------------------------------------- openers
-# What `schemes.SCHEMES` names: fn(url, *, part_size, concurrency) -> (backend, root path).
-
-
-def open_minio(url: str, *, part_size: int, concurrency: int) -> tuple[Backend, str]:
-    """minio://bucket[/prefix]: through the minio client (imported only for such a store)."""
-    from .minio_backend import MinioBackend
-
-    path = url.split("://", 1)[1]
-    if not path.strip("/"):
-        raise ValueError(f"{url}: a minio URL needs a bucket: minio://bucket[/prefix]")
-    return MinioBackend(url, part_size=part_size, concurrency=concurrency), path

@@ -29,7 +29,7 @@ class RunLayout:
     DEFAULT_ROOT: Final = ".ratchet/runs"
 
     # -- the run ------------------------------------------------------------------------
-    # activities.prepare_run writes the validated config; every activity (_run_config) and Client.resume read it.
+    # activities.prepare_run writes the validated config; every activity (activities/run_config.py) and Client.resume read it.
     CONFIG: Final = "config.json"
     # activities.prepare_run writes where the run comes from (a fork's parent, a sweep trial);
     # a registry rebuilt from the store reads it.

@@ -156,3 +156,12 @@ class MinioBackend:
             if is_not_found(exc) or exc.code == "NoSuchBucket":
                 raise FileNotFoundError(f"{path}: {exc.code}") from None
             raise
+
+
+def open_minio(url: str, *, part_size: int, concurrency: int) -> tuple[MinioBackend, str]:
+    """minio://bucket[/prefix] (schemes.py's opener for it: this module, and so the minio
+    client, is imported only for such a store)."""
+    path = url.split("://", 1)[1]
+    if not path.strip("/"):
+        raise ValueError(f"{url}: a minio URL needs a bucket: minio://bucket[/prefix]")
+    return MinioBackend(url, part_size=part_size, concurrency=concurrency), path

@@ -6,9 +6,10 @@ here, naming them all when it refuses one.
 
 To add a backend (say `gs://`): write a class that fulfils `backends.Backend` (single
 attempts on full paths; atomic writes; FileNotFoundError for a missing object), and a
-function `open_x(url, *, part_size, concurrency) -> (backend, root path)` next to
-`open_fsspec` in fsspec_backend.py; add its line below; run tests/unit/test_storage.py's store tests
-against it (they take a store) and add a line to tests/unit/test_registries.py's table check.
+function `open_x(url, *, part_size, concurrency) -> (backend, root path)` in the backend's
+module (as `open_fsspec` in fsspec_backend.py, `open_minio` in minio_backend.py); add its
+line below; run tests/unit/test_storage.py's store tests against it (they take a store) and
+add a line to tests/unit/test_registries.py's table check.
 
 This module imports nothing outside the standard library: an entry names its opener as
 "module:function", imported when a store is opened, so the config schema reads the table
@@ -44,7 +45,7 @@ SCHEMES: dict[str, Scheme] = {
     "s3": Scheme(_FSSPEC, "S3 or any S3-protocol server, through s3fs (endpoint and keys from AWS_* variables)", needs_bucket=True),
     "s3a": Scheme(_FSSPEC, "the same as s3://", needs_bucket=True),
     "minio": Scheme(
-        "ratchet.storage.backends:open_minio", "any S3-protocol server, through the minio client (AWS_* variables)", needs_bucket=True
+        "ratchet.storage.minio_backend:open_minio", "any S3-protocol server, through the minio client (AWS_* variables)", needs_bucket=True
     ),
     "memory": Scheme(_FSSPEC, "fsspec's in-process memory filesystem, for tests"),
 }

@@ -65,14 +65,12 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -379,16 +377,3 @@ def config_hyperparameters(cfg) -> dict:
 def apply_optimizer_hyperparameters(trainer: PolicyTrainer, hyper: dict) -> None:
     for group in trainer.optimizer.param_groups:
         group.update(lr=hyper["lr"], betas=tuple(hyper["betas"]), weight_decay=hyper["weight_decay"])
-
-
-# --------------------------------------------------------------------------- determinism
-
-
-def enable_determinism(seed: int) -> None:
-    """Deterministic kernels and seeded generators (Python, numpy, torch); safe on CPU.
-    `CUBLAS_WORKSPACE_CONFIG` is set for CUDA, which needs it before the first cuBLAS call."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

@@ -26,7 +26,8 @@ from .policy_update import PolicyTrainer
 from .prompts import PromptSet
 from .rollout_filter import RolloutFilter
 from .multi_turn import MultiTurnRollout
-from .rollout_batching import generate_batch, prompt_indices, sampling_seed
+from .batch_seeds import prompt_indices, sampling_seed
+from .rollout_batching import generate_batch
 from .runtime import configure_worker_process
 from .safety import CostScorer, safety_on
 from .scoring import score_batch

@@ -41,6 +41,7 @@ from ratchet.tools.config import build_tools, parse_tools, parse_tools_kwargs
 from ratchet.tools.parsing import CallFormat, call_format
 
 from .batch import RolloutBatch, SampleRow
+from .batch_seeds import prompt_seeds
 from .engines import Engine, Generation, SamplingParams, WeightSwap
 
 if TYPE_CHECKING:
@@ -169,8 +170,6 @@ class MultiTurnRollout:
         budget = min(params.max_new_tokens, self.max_response_length)
         params = replace(params, max_new_tokens=budget)
         if not params.greedy and params.prompt_seeds is None:  # called directly, not via rollout_batching.generate_batch
-            from .rollout_batching import prompt_seeds
-
             params = replace(params, prompt_seeds=prompt_seeds(params.seed, 0, len(indices)))
         contexts = [prompts.token_ids[i] for i in indices]
         seeds = params.prompt_seeds if (params.prompt_seeds is not None and not params.greedy) else [None] * len(indices)

@@ -40,7 +40,8 @@ from .hf_io import local_hf_path
 from .multi_turn import MultiTurnRollout
 from .prompts import PromptSet
 from .results import EvalBatchResult, GenerateResult, LoadReport, RolloutShare
-from .rollout_batching import generate_batch, prompt_indices, sampling_seed
+from .batch_seeds import prompt_indices, sampling_seed
+from .rollout_batching import generate_batch
 from .runtime import configure_worker_process
 from .weight_sync import SafetensorsSource, SafetensorsWriter, WeightSource, as_source, check_names, pairs
 

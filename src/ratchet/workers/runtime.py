@@ -15,8 +15,6 @@ def configure_worker_process(torch_threads: int, deterministic_seed: int | None 
     import torch
 
     if deterministic_seed is not None:
-        from .checkpointing import enable_determinism
-
         enable_determinism(deterministic_seed)
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -29,6 +27,21 @@ def configure_worker_process(torch_threads: int, deterministic_seed: int | None 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def enable_determinism(seed: int) -> None:
+    """Deterministic kernels and seeded generators (Python, numpy, torch); safe on CPU.
+    `CUBLAS_WORKSPACE_CONFIG` is set for CUDA, which needs it before the first cuBLAS call."""
+    import random
+
+    import numpy as np
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def resolve_device(requested: str, rank: int = 0):

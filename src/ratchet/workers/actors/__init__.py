@@ -5,7 +5,8 @@ replicas as one pool (rollout_pool.py), rebuilding lost state (recovery.py) one 
 (restore_lease.py), and the injected way of waiting on Ray (waiting.py). Nothing here
 imports Temporal; failures are ratchet.errors domain errors."""
 
-from .names import NAMESPACE, Role, release_closed_runs, release_run_actors, run_actor_names
+from .names import NAMESPACE, Role, run_actor_names
+from .release import release_closed_runs, release_run_actors
 from .run_actors import RunActors
 from .waiting import PlainWaiter, Waiter, WaitTimeout
 

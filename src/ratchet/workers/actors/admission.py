@@ -6,7 +6,7 @@ one CPU each and wait forever for the second. So a run is *admitted* before it r
 anything (before its warm-up): it gets a grant for everything it needs (its CPUs and
 GPUs: `placement.run_need`), or it waits in a FIFO queue that says where it stands
 (`waiting for 2 CPUs; 1 run ahead`). The grant is held until the run's actors are
-released (`names.release_run_actors`: completion, failure, cancellation, the sweep of
+released (`release.release_run_actors`: completion, failure, cancellation, the sweep of
 closed runs).
 
 Why a ledger, not one Ray placement group per run holding every actor: a placement group

@@ -1,4 +1,5 @@
-"""Named, detached actors: finding them, and releasing a run's actors.
+"""Named, detached actors: their names, finding them and killing them (releasing a whole
+run: release.py).
 
 Actors are named `<run id>/<role>-<rank>` in the `ratchet` namespace and detached, so a
 restarted Temporal worker process finds the same actors instead of orphaning them.
@@ -6,17 +7,13 @@ restarted Temporal worker process finds the same actors instead of orphaning the
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
 
 import ray
 
 from ratchet.ids import is_valid_id
 
-log = logging.getLogger(__name__)
 
 NAMESPACE = "ratchet"
 
@@ -127,38 +124,3 @@ def run_actor_names() -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def release_run_actors(run_id: str, *, timeout_s: float = 30.0, keep_admission: bool = False) -> list[str]:
-    """Kill every named actor of run `run_id` (whatever roles and world size it had) and
-    wait for their names to be free; returns the names killed. Needs no config, so it
-    works on every way out of a run, also when the run failed before its config was stored.
-    The run's resource pools (placement groups) go with them, and (unless
-    `keep_admission`: a restore rebuilding them at once) its admission grant or its place
-    in the queue (admission.py)."""
-    killed = kill_named(run_actor_names().get(run_id, []), timeout_s)
-    removed = remove_pool_groups(run_id)
-    if removed:
-        log.info("run %s: removed placement groups %s", run_id, ", ".join(removed))
-    if not keep_admission:
-        from .admission import leave  # admission.py imports this module
-
-        if leave(run_id):
-            log.info("run %s: released its admission grant", run_id)
-    return killed
-
-
-async def release_closed_runs(run_is_open: Callable[[str], Awaitable[bool]]) -> dict[str, list[str]]:
-    """Release the actors of every run that `run_is_open` says is closed: a worker that
-    died with its run, or a run terminated from outside, leaves detached actors that hold
-    their CPUs forever otherwise. Returns {run id: actor names killed}. The caller knows
-    how to tell an open run (a Temporal query); this layer does not."""
-    from .admission import ledger_runs  # admission.py imports this module
-
-    runs = set(await asyncio.to_thread(run_actor_names)) | set(await asyncio.to_thread(pool_group_runs))
-    runs |= set(await asyncio.to_thread(ledger_runs))  # granted or queued, maybe with no actor yet
-    released = {}
-    for run_id in sorted(runs):
-        if await run_is_open(run_id):
-            continue
-        released[run_id] = await asyncio.to_thread(release_run_actors, run_id)
-        log.warning("run %s is closed; released its leftover actors %s", run_id, ", ".join(released[run_id]))
-    return released

@@ -4,7 +4,7 @@ redone on the healthy ones while the lost one is recreated, and the shares store
 one batch a single replica would have written.
 
 Why the batch does not depend on the split: each prompt is sampled with a seed from the
-batch's seed and its position in the batch (rollout_batching.prompt_seeds), and the shares
+batch's seed and its position in the batch (batch_seeds.prompt_seeds), and the shares
 are joined in position order (`RolloutWorker.save_shares`), so 1, 2 or N replicas store the
 same rows with the same tokens (log-probs equal up to float rounding of different batch
 shapes, ~1e-6 on CPU).

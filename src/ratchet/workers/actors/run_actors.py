@@ -28,7 +28,8 @@ from ..reward import RewardWorker
 from ..rollout import RolloutWorker
 from ..trainer import TrainerWorker
 from . import placement
-from .names import Role, actor_name, find_named, kill_named, release_run_actors, run_actor_names
+from .names import Role, actor_name, find_named, kill_named, run_actor_names
+from .release import release_run_actors
 from .restore_lease import restore_lease
 from .waiting import PlainWaiter, Waiter, WaitTimeout
 

@@ -20,7 +20,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     greedy: bool = False
     seed: int = 0
-    # One seed per prompt of the call (rollout_batching.prompt_seeds): prompt i's samples
+    # One seed per prompt of the call (batch_seeds.prompt_seeds): prompt i's samples
     # then depend on prompt_seeds[i] alone, not on the other prompts of the call, so a
     # batch split over several engine replicas samples what one engine would. None: the
     # engine seeds the whole call with `seed` (the samples depend on the call's makeup).
