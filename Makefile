@@ -107,12 +107,13 @@ bench-smoke: $(STAMP)
 	$(BYTECODE)
 	$(PY) -m pytest -q -p no:cacheprovider tests/integration/test_benchmark_smoke.py
 
-# Everything that starts no Ray: unit tests, bad input, storage on the S3 server, the
-# loop modes on a Temporal dev server with stand-in activities.
+# Quick feedback, under 2 minutes: what starts no Ray (unit tests, bad input, storage on
+# the S3 server, the loop modes on a Temporal dev server with stand-in activities) and is
+# not marked `slow` (seconds of CPU each: gloo ranks, a vLLM engine; `make test` runs them).
 test-fast: $(STAMP) $(BWRAP)
 	$(LINT)
 	$(BYTECODE)
-	$(PY) -m pytest -q -x -p no:cacheprovider -m "not integration"
+	$(PY) -m pytest -q -x -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -m "not integration and not slow"
 
 clean:
 	rm -rf $(VENV) $(LOCK_VENV) .ratchet

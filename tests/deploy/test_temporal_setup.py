@@ -30,6 +30,7 @@ async def _run_script(address: str, **extra: str) -> tuple[int, str]:
     return proc.returncode, out.decode()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="function")
 async def test_setup_registers_the_namespace_and_attributes_once():
     from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest

@@ -51,6 +51,7 @@ def _wait(predicate, what: str, limit_s: float = 300.0, every_s: float = 0.2):
 # -- the workflow, with stand-in activities -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_stop_between_checkpoints_checkpoints_the_stop_step():
     """Checkpoints every 3 steps; the stop lands after step 4: the run checkpoints step 5
     (its stop step) after its last metrics line and before the export, once."""
@@ -77,6 +78,7 @@ def test_a_stop_between_checkpoints_checkpoints_the_stop_step():
     assert recorded == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_stop_at_a_checkpointed_step_takes_no_second_one():
     standins = StandIns(delay={"generate": 0.3})
 
@@ -104,6 +106,7 @@ def test_a_stop_recorded_before_checkpoint_on_stop_replays():
     assert result.replay_failure is None, result.replay_failure
 
 
+@pytest.mark.slow
 def test_progress_while_restoring_shows_the_checkpoint_not_zero():
     """A resume from step-00000029 of a 31-step run: from its first query to its first
     step, the progress names the checkpoint, step 29 and version 29."""
@@ -127,6 +130,7 @@ def test_progress_while_restoring_shows_the_checkpoint_not_zero():
     assert (after.phase, after.step) == ("completed", 31)
 
 
+@pytest.mark.slow
 def test_start_up_phases_are_named_in_the_progress():
     """Each start-up activity held a moment: the progress names warm-up, workers and the
     step-0 evaluation, in that order, then the loop's own phases."""

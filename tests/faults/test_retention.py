@@ -50,6 +50,7 @@ def names(ckpts: CheckpointStore) -> list[str]:
     return [c.name for c in ckpts.list()]
 
 
+@pytest.mark.slow
 def test_corrupted_newest_keeps_the_older_good_one(ckpts, tmp_path):
     for step in (1, 2, 3):
         commit(ckpts, tmp_path, step)

@@ -63,6 +63,7 @@ def test_a_server_without_the_attributes_runs_the_run():
     assert not any(p.key.name.startswith("ratchet_") for p in desc.typed_search_attributes)
 
 
+@pytest.mark.slow
 def test_attributes_summaries_and_details_as_the_run_goes():
     """On a server with the attributes: step, reward, eval reward and status are upserted
     once per step (not per activity), every activity has a summary, the current details

@@ -7,6 +7,7 @@ The workflow is the real one on a real Temporal dev server; the activities are s
 
 from __future__ import annotations
 
+import pytest
 import asyncio
 
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
@@ -19,6 +20,7 @@ from ratchet.types import Progress, RunRef, RunState
 from .standins import StandIns, plan, run_training, training_input
 
 
+@pytest.mark.slow
 def test_resumed_run_continuing_as_new_is_not_restored_again():
     """A run resumed from a checkpoint rebuilds its workers once; each continue-as-new after
     that carries the state on (it used to restore the old checkpoint at every one, killing
@@ -115,6 +117,7 @@ def test_run_state_stays_small_after_100000_steps():
     assert "0" in state.eval_rewards and str(99_990) in state.eval_rewards
 
 
+@pytest.mark.slow
 def test_worker_restart_does_not_release_a_live_run():
     """A worker that shuts down evicts its workflows, which cancels their coroutines: that
     is not the run ending, and the cleanup must not kill the actors of a run that another
@@ -151,6 +154,7 @@ def test_worker_restart_does_not_release_a_live_run():
     assert first.count("prepare_run") == 1 and second.count("prepare_run") == 0
 
 
+@pytest.mark.slow
 def test_a_sweep_trial_waits_at_its_rung_for_the_verdict():
     """A trial with rungs stops after the rung's steps, its metrics line written, until the
     sweep says `pass_rung` (it goes on, across continue-as-new) or `stop` (it ends there).

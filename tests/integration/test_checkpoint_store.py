@@ -57,6 +57,7 @@ def step_name(step: int) -> str:
 # --------------------------------------------------------------------------- commit and read back
 
 
+@pytest.mark.slow
 def test_commit_writes_manifest_last_and_round_trips(ckpts, tmp_path, monkeypatch):
     local = make_checkpoint(tmp_path / "local", seed=1)
     writes = []
@@ -87,6 +88,7 @@ def test_commit_writes_manifest_last_and_round_trips(ckpts, tmp_path, monkeypatc
     assert restored.pop(MANIFEST) and restored == files
 
 
+@pytest.mark.slow
 def test_list_sorts_by_step_then_name(ckpts, tmp_path):
     local = make_checkpoint(tmp_path / "l", seed=2, big=100)
     for name, meta in [("ckpt-10", {"step": 10}), ("ckpt-9", {"step": 9}), ("ckpt-100", {"step": 100}), ("warm", {})]:
@@ -323,6 +325,7 @@ def test_delete_removes_the_manifest_first(ckpts, tmp_path, monkeypatch):
     assert ckpts.list() == [] and ckpts.store.list("checkpoints") == []
 
 
+@pytest.mark.slow
 def test_retention_keeps_last_k_and_every_mth(ckpts, tmp_path):
     local = make_checkpoint(tmp_path / "c", seed=9, big=100)
     remote = ckpts.store.protocol != "file"
@@ -369,6 +372,7 @@ def test_newest_good_reads_once_and_falls_back(ckpts, tmp_path):
         ckpts.read_files(step_name(1), ["nothing.json"])
 
 
+@pytest.mark.slow
 def test_retired_checkpoints_are_invisible_and_kept(ckpts, tmp_path):
     local = make_checkpoint(tmp_path / "c", seed=4, big=100)
     for step in range(4):

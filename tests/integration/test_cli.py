@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import os
 import subprocess
 import sys
@@ -35,6 +36,7 @@ def test_train_rejects_bad_config_before_connecting(assets):
     assert "loop.mode" in out.stderr and "sync" in out.stderr
 
 
+@pytest.mark.slow
 def test_prepare_builds_assets(tmp_path):
     out = run_cli("prepare", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr

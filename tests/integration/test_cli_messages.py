@@ -83,6 +83,7 @@ def _train_args(assets, runs_root: Path, *extra: str) -> list[str]:
 # -- services not up --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_command_that_needs_temporal_says_it_is_not_up(nothing_up, assets, tmp_path):
     address = nothing_up["RATCHET_TEMPORAL_ADDRESS"]
     expected = (
@@ -125,6 +126,7 @@ def test_worker_names_what_is_not_up(nothing_up, bare_temporal):
     )
 
 
+@pytest.mark.slow
 def test_a_worker_ratchet_starts_waits_for_a_server_that_is_restarting(tmp_path):
     """The worker process the demo and the test platforms start has no supervisor: one
     started while the Temporal server restarts (a Ray restart right before a server kill)
@@ -217,6 +219,7 @@ def test_a_completed_run_says_so(platform):
 # -- the worker's watch on its Temporal server ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_worker_says_once_when_the_server_goes_and_comes_back_then_gives_up(caplog):
     """`_watch_server` against a real listening socket that is closed, reopened, closed
     (what it probes is whether the frontend's port accepts a connection):

@@ -135,6 +135,7 @@ def test_summary_keeps_paths_and_the_link_whole():
         assert ("│" in text) == (width == 250)  # a table only where it fits
 
 
+@pytest.mark.slow
 def test_status_without_services_says_so(tmp_path):
     from ratchet.platform.services import free_ports
 

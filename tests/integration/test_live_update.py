@@ -47,6 +47,7 @@ async def wait_paused(handle) -> int:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow
 async def test_live_change_is_checked_recorded_and_carried_across_continue_as_new(client):
     standins = StandIns(delay={"train": 0.05})
     inp = t.TrainingInput(run_id="live-1", config=CONFIG, plan=plan(steps=6, continue_as_new_every=2, kl_coef=0.01))

@@ -58,6 +58,7 @@ def _rendezvous_rank(rank: int, host: str, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_process_group_meets_on_the_nodes_address(tmp_path):
     """Rank 0's TCPStore on the machine's network address, found by a port probe bound
     there, and gloo pinned to the interface holding it (the host name resolves to

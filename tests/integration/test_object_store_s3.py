@@ -213,6 +213,7 @@ def test_partial_file_longer_than_the_object_starts_over(store, tmp_path):
 # --------------------------------------------------------------------------- retries
 
 
+@pytest.mark.slow
 def test_outage_within_the_retry_window_is_survived(remote, caplog):
     store, env = remote
     store.put_bytes("before", b"0")
@@ -354,6 +355,7 @@ def test_https_endpoint_means_tls(s3_env, monkeypatch):
     assert not MinioBackend("minio://b/p", part_size=5 * MiB, concurrency=2)._client._base_url.is_https
 
 
+@pytest.mark.slow
 def test_secrets_stay_out_of_logs_exceptions_and_pickles(remote, tmp_path, caplog):
     store, env = remote
     caplog.set_level(logging.DEBUG)  # every logger, every level, the client libraries' too

@@ -4,6 +4,7 @@ programmatically by `Registry.open`; the migrated schema matches the ORM models.
 
 from __future__ import annotations
 
+import pytest
 import argparse
 import os
 import subprocess
@@ -52,6 +53,7 @@ def test_upgrade_head_through_the_command_api(db_url):
     engine.dispose()
 
 
+@pytest.mark.slow
 def test_upgrade_head_through_the_alembic_cli(db_url):
     alembic = Path(sys.executable).with_name("alembic")
     env = {k: v for k, v in os.environ.items() if k != "RATCHET_REGISTRY_URL"}

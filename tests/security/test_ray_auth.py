@@ -369,6 +369,7 @@ def test_ray_auth_env_gives_the_path_and_lets_the_user_win(state):
     assert svc.ray_auth_env(state, environ=joined) == mine
 
 
+@pytest.mark.slow
 def test_status_down_and_drivers_with_a_state_file_from_before_token_auth(state):
     """A head recorded by the old code (no token): drivers use its mode, `status` and
     `down` still work."""

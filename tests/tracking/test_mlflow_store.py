@@ -161,6 +161,7 @@ def test_bad_tracking_config_names_the_field(override, field, says):
     assert "pw@" not in text
 
 
+@pytest.mark.slow
 def test_a_new_store_is_copied_from_the_schema_template_and_equals_a_built_one(tmp_path, monkeypatch):
     """The schema is built once per MLflow version into the user's cache; every later store
     is a copy that differs from a store MLflow builds in place only by the Default

@@ -56,6 +56,7 @@ def _colour_pixels(png, region) -> int:
     return int(blue.sum()), int(orange.sum())
 
 
+@pytest.mark.slow
 def test_two_runs_overlaid_every_panel_drawn(tmp_path):
     _write_run(tmp_path / "runs", "run-a", 30, 0.4)
     _write_run(tmp_path / "runs", "run-b", 20, 0.2)

@@ -5,6 +5,7 @@ sweep as its group, the config and the summary."""
 
 from __future__ import annotations
 
+import pytest
 from ratchet import types as t
 from ratchet.activities import tracking_calls
 from ratchet.tracking import TRACKING_KEY
@@ -15,6 +16,7 @@ from .conftest import make_run, step_metrics
 from .wandb_records import read_offline_run
 
 
+@pytest.mark.slow
 def test_offline_run_is_continued_under_one_id(state, tmp_path, process):
     run = make_run(tmp_path, "copy-20261201-000000-wdb1", mlflow=False, wandb={"enabled": True, "dir": str(tmp_path / "wb")})
     lineage = t.RunLineage(sweep_id="sweep-7", trial_index=1)

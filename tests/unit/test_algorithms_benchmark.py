@@ -37,6 +37,7 @@ def test_unknown_recipe_is_refused(capsys):
     assert "unknown recipe(s) nope" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_all_recipes_run_two_steps_into_one_table(capsys, tmp_path):
     out_json = tmp_path / "rows.json"
     rows = bench.main(["--all", *TINY, "--recipe", "mine: algorithm.adv_estimator=rloo", "--json", str(out_json)])

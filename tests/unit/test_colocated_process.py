@@ -21,6 +21,10 @@ PROMPTS = [[1, 5, 6, 7, 17], [1, 8, 9, 3, 17]]
 BUCKET_MB = 0.25  # the tiny model (~4 MB in float32) in several buckets
 
 
+# Each test starts an engine process of its own or shares the module one (seconds each).
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     with ColocatedEngine(timeout_s=120) as engine:

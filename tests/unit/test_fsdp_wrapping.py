@@ -220,6 +220,7 @@ def _rank(rank: int, port: int, path: str, cfg_json: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_with_checkpointing_match_one_rank(family_models, tmp_path):
     """Qwen2 over 2 gloo ranks, blocks wrapped by `_no_split_modules`, with activation
     checkpointing: the same weights and metrics as one plain rank."""

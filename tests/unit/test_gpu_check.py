@@ -39,6 +39,7 @@ def machine_site(tmp_path_factory) -> Path:
     return site
 
 
+@pytest.mark.slow
 def test_the_emulated_machine_has_its_packages_and_none_of_the_others(machine_site):
     gpu_machine = load_benchmark("gpu_machine")
     closure = gpu_machine.machine_closure()
@@ -53,6 +54,7 @@ def test_the_emulated_machine_has_its_packages_and_none_of_the_others(machine_si
     assert out.stdout.strip() == str(ROOT / "src" / "ratchet" / "__init__.py")
 
 
+@pytest.mark.slow
 def test_the_check_runs_every_check_as_the_gpu_machine_would(tmp_path):
     out = run("--cpu-smoke", "--as-gpu-machine", "--out", str(tmp_path))
     text = out.stdout + out.stderr
@@ -79,6 +81,7 @@ def test_the_check_runs_every_check_as_the_gpu_machine_would(tmp_path):
     assert "| weight sync to an engine process, smoke |" in (tmp_path / "gpu_check.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_module_that_needs_a_package_the_machine_lacks_fails_the_check(tmp_path):
     """What would have stopped the check on the machine stops it here: a module it imports
     (the colocated engine process) made to import tenacity, which the machine lacks."""
@@ -128,6 +131,7 @@ def test_mfu_counts_the_matmul_parameters_and_causal_attention():
     assert gpu_check.peak_flops("NVIDIA H200") == 989e12 and gpu_check.peak_flops("some CPU") is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_it_exits_with_a_message():
     out = run()

@@ -310,6 +310,7 @@ def _two_ranks(rank: int, port: int, model_path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_train_lora_like_one_and_reshard_checkpoints(trained, tiny_model, tmp_path):
     import torch.multiprocessing as mp
     from safetensors.torch import load_file

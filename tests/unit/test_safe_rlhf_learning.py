@@ -45,6 +45,7 @@ def mean(rows: list[dict], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
+@pytest.mark.slow
 def test_cost_goes_under_the_budget_while_reward_rises(base):
     safe = run(base, SAFE, STEPS)
     # the multiplier: up while the first batches break the budget, and carried step to step

@@ -123,6 +123,7 @@ def test_good_queries_pass_and_are_limited_to_training_runs():
     assert full_query("ratchet_status = 'order by'") == "WorkflowType = 'TrainingWorkflow' AND (ratchet_status = 'order by')"
 
 
+@pytest.mark.slow
 def test_ratchet_runs_refuses_a_bad_where_before_connecting(tmp_path):
     """Exit 2 and the attribute list; no registry is opened and no server is asked."""
     from typer.testing import CliRunner

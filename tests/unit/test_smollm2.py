@@ -139,6 +139,7 @@ def grpo_run(smollm2, tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_grpo_steps_with_vllm_rollouts_train_and_sync(grpo_run):
     assert grpo_run["version"] == 2
     for m in grpo_run["metrics"]:
@@ -151,6 +152,7 @@ def test_grpo_steps_with_vllm_rollouts_train_and_sync(grpo_run):
     assert grpo_run["update_shift"] > 20 * LOGPROB_TOLERANCE, grpo_run["update_shift"]
 
 
+@pytest.mark.slow
 def test_engine_logprobs_after_sync_agree_with_the_trainer(grpo_run):
     assert grpo_run["after"] < LOGPROB_TOLERANCE, grpo_run["after"]
 

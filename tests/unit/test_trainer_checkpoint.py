@@ -278,6 +278,7 @@ def two_rank_run(tiny_model, tmp_path_factory):
     return root, expected
 
 
+@pytest.mark.slow
 def test_save_with_two_ranks_load_with_one(tiny_model, two_rank_run):
     from safetensors.torch import load_file
 
@@ -296,6 +297,7 @@ def test_save_with_two_ranks_load_with_one(tiny_model, two_rank_run):
         assert_equal_states(full_optimizer_state(restored), load_file(str(root / "moments2.safetensors")))
 
 
+@pytest.mark.slow
 def test_save_with_one_rank_load_with_two(two_rank_run):
     from safetensors.torch import load_file
 
@@ -313,6 +315,7 @@ PICKLE_PROTOCOL_OPCODE = 0x80  # every pickle of protocol >= 2 starts with PROTO
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default container (a zip holding data.pkl)
 
 
+@pytest.mark.slow
 def test_nothing_on_disk_is_a_pickle(two_rank_run):
     """Every file is a safetensors file (an 8-byte little-endian header length, then a JSON
     header) or JSON; DCP writes no `.metadata` pickle and no byte (torch.save) items."""

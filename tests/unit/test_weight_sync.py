@@ -341,6 +341,7 @@ def _fsdp_sync_rank(rank: int, world_size: int, port: int, model_path: str, boun
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_fsdp2_ranks_sync_into_one_engine(tiny_model, tmp_path):
     """1 -> 2 ranks: the FSDP2-sharded trainer's weights reach the engine bit-exact (float32),
     and the engine's log-probs of fixed tokens are the trainer's."""
@@ -403,6 +404,7 @@ def _broadcast_member(rank: int, port: int, backend: str, device: str, out_dir: 
         Path(out_dir, "ok").write_text(f"{ok} {len(layouts)} {sum(layout.nbytes for layout in layouts)}")
 
 
+@pytest.mark.slow
 def test_broadcast_into_an_engine_group_with_gloo_standing_in(tmp_path):
     """The NCCL path's code (a separate group from its own TCPStore, flat buckets broadcast
     from trainer rank 0: `gather_and_broadcast`, received by `receive_bucket` as an engine
@@ -451,6 +453,7 @@ def vllm_worker(tiny_model, copy_data, tmp_path_factory):
     return RolloutWorker(make_cfg(tiny_model, copy_data, run, rollout=rollout), str(tiny_model), str(run))
 
 
+@pytest.mark.slow
 def test_a_bucketed_sync_into_vllm_makes_it_sample_the_trainers_distribution(vllm_worker, tiny_model):
     from ratchet.workers.engines import SamplingParams
     from ratchet.workers.policy_update import PolicyTrainer, response_logits

@@ -270,6 +270,7 @@ def test_engine_greedy_gives_n_identical_samples(engine, prompts):
     assert [g[0].token_ids for g in other] == [g[0].token_ids for g in out]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["per-prompt seeds", "one seed", "greedy"])
 def test_engine_never_holds_more_than_a_steps_logits(tmp_path, mode):
     """Every sampling mode records one log-prob per row and step as it draws: its largest
@@ -580,6 +581,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, model_path: str, cfg_json:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp2_two_ranks_match_single_rank(tiny_model, train_batch, tmp_path):
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
@@ -642,6 +644,7 @@ def test_retried_train_call_does_not_update_twice(tiny_model, train_batch, tmp_p
         worker.train(1, 0, 0.0)
 
 
+@pytest.mark.slow
 def test_the_submit_check_and_the_reward_worker_leave_scikit_learn_scipy_and_the_model_registry_unimported(tiny_model, copy_data, tmp_path):
     """transformers imports scikit-learn and SciPy (1.5-2 s of CPU) whenever installed, and
     AutoTokenizer its whole auto-model registry (about 2 s more); the config check at submit
@@ -699,6 +702,7 @@ def test_load_tokenizer_gives_what_auto_tokenizer_gives(tiny_model, tmp_path):
     assert type(load_tokenizer(other)).__name__ != "TokenizersBackend"
 
 
+@pytest.mark.slow
 def test_an_actor_generation_after_the_first_page_faults_nothing_back(tiny_model, copy_data, tmp_path):
     """glibc's malloc gives freed memory back to the kernel between two phases of a step,
     and the next phase faults it in again (thousands of page faults per generation of the

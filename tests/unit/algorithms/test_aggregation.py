@@ -200,6 +200,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="no gloo")
 def test_one_vs_two_gloo_ranks_same_loss_and_gradient(tmp_path):
     import torch.multiprocessing as mp

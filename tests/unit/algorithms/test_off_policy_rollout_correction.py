@@ -358,6 +358,7 @@ GLOO_MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 1, 1, 0], [1, 1, 0, 0, 0], [1,
 GLOO_KW = dict(is_weights=ISWeights(level="sequence", high=3.0, batch_normalize=True), rejection=[rs("k3", "token", high=0.5)])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="no gloo")
 def test_two_gloo_ranks_normalise_and_report_the_global_batch(tmp_path):
     import torch.multiprocessing as mp
