@@ -24,9 +24,8 @@ def release_run_actors(run_id: str, *, timeout_s: float = 30.0, keep_admission: 
     removed = remove_pool_groups(run_id)
     if removed:
         log.info("run %s: removed placement groups %s", run_id, ", ".join(removed))
-    if not keep_admission:
-        if leave(run_id):
-            log.info("run %s: released its admission grant", run_id)
+    if not keep_admission and leave(run_id):
+        log.info("run %s: released its admission grant", run_id)
     return killed
 
 
