@@ -146,7 +146,7 @@ def measure(w: Workload, engine_name: str, repeats: int, storage: Path) -> Measu
     # Created as a run creates it: its environment (threads, malloc settings) and its
     # concurrency groups (the version probe on a thread of its own).
     actor_class = ray.remote(concurrency_groups=RolloutWorker.CONCURRENCY_GROUPS)(RolloutWorker)
-    actor = actor_class.options(num_cpus=1, runtime_env=actor_env(cfg)).remote(cfg, str(w.model), str(storage / "run"))
+    actor = actor_class.options(num_cpus=1, runtime_env=actor_env(cfg, 1)).remote(cfg, str(w.model), str(storage / "run"))
     ray.get(actor.policy_version.remote())  # constructed: the engine is loaded
     raw_rates, actor_rates, ratios, outside = [], [], [], []
     for call in range(repeats + 1):  # call 0 warms caches on both sides

@@ -355,7 +355,7 @@ def test_a_wait_fails_as_soon_as_one_of_its_refs_fails(ray_driver):
 
 
 def test_a_restore_lease_is_exclusive_until_released_or_expired():
-    from ratchet.workers.actors.restore_lease import RestoreLease
+    from ratchet.workers.rebuild_lease import RestoreLease
 
     lease = RestoreLease()
     assert lease.acquire("a", 0.3) and lease.acquire("a", 0.3)  # the holder renews

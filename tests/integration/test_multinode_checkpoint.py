@@ -166,7 +166,7 @@ def start_ranks(ray, actors, model: str, env_by_rank: list[dict]) -> list:
     cls = ray.remote(concurrency_groups=TrainerWorker.CONCURRENCY_GROUPS)(TrainerWorker)
     ranks = []
     for rank, extra in enumerate(env_by_rank):
-        env = actor_env(actors.cfg)
+        env = actor_env(actors.cfg, actors.cfg.resources.trainer_cpus) or {"env_vars": {}}
         env["env_vars"] = {**env["env_vars"], **extra}
         ranks.append(
             cls.options(

@@ -706,18 +706,17 @@ def test_load_tokenizer_gives_what_auto_tokenizer_gives(tiny_model, tmp_path):
 def test_an_actor_generation_after_the_first_page_faults_nothing_back(tiny_model, copy_data, tmp_path):
     """glibc's malloc gives freed memory back to the kernel between two phases of a step,
     and the next phase faults it in again (thousands of page faults per generation of the
-    tiny model: +10-15% of its CPU generation time). Actors start with the malloc settings
-    of `placement.actor_env`, under which the generations after the first fault almost nothing in.
-    A fresh process with the actor's environment, as a Ray actor's is."""
+    tiny model: +10-15% of its CPU generation time). A worker process sets the thresholds
+    of `runtime.MALLOC_THRESHOLDS` as it starts (mallopt, in `configure_worker_process`), after
+    which the generations after the first fault almost nothing in. A fresh process without
+    the MALLOC_ variables in its environment, as a Ray actor's is started."""
     import subprocess
     import sys
 
-    from ratchet.platform.client import RECIPE_PATH
-    from ratchet.config import load_config
-    from ratchet.workers.actors.placement import actor_env
+    from ratchet.workers.runtime import MALLOC_THRESHOLDS
 
     overrides = [f"model.path={tiny_model}", f"data.train_files={copy_data}", "data.eval_files=null", f"storage.root={tmp_path}"]
-    env = {**os.environ, **actor_env(load_config(RECIPE_PATH, overrides, check_files=False))["env_vars"]}
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_THRESHOLDS}
     script = (
         "import resource\nfrom ratchet.config import load_config\nfrom ratchet.platform.client import RECIPE_PATH\n"
         "from ratchet.workers.rollout import RolloutWorker\n"

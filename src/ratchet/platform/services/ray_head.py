@@ -136,10 +136,10 @@ def _command(settings: ServiceSettings, temp: Path) -> list[str]:
 
 # What every Ray node ratchet starts is told. No usage reports. No prestarted default
 # workers: a raylet would start one per CPU at start-up and again when the first driver
-# connects (half a second of CPU each, then ~1% of a core each while idle), but every
-# ratchet actor carries a runtime_env (its thread and malloc settings:
-# actors/placement.py), so Ray starts a process of its own for it and the prestarted ones
-# only ever wait.
+# connects (half a second of CPU each, then ~1% of a core each while idle), for a run
+# that may come minutes later or never; a run's actors are few and long-lived, and an
+# actor with a runtime_env (a `resources.torch_threads` other than its CPU count:
+# actors/placement.py) could not take one anyway.
 RAY_NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 # And no log monitor: it tails every worker's log file to publish the lines to drivers that
 # print them (`log_to_driver`), and every ratchet driver turns that off (platform/worker.py);

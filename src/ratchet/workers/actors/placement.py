@@ -14,7 +14,7 @@ a run that was not admitted (one started before the queue existed).
 from __future__ import annotations
 
 import logging
-import os
+import math
 import time
 
 import ray
@@ -51,22 +51,20 @@ def actor_pid(actor) -> int | None:
     return -1 if pid == 0 and info.get("State") == "DEAD" else pid
 
 
-# glibc's malloc hands freed memory back to the kernel (trims the heap, unmaps large
-# blocks) while an actor waits for the next phase of the step, so every generation and
-# update page-faults its working memory back in: 7,000 faults and +10-15% on a tiny model's
-# CPU generation (benchmarks/step_overhead.py). A process that does one phase after the
-# other, like the in-process loop, never idles long enough to lose it. Blocks up to 32 MiB
-# (glibc's own dynamic ceiling) come from the heap, and up to 256 MiB of free heap is kept:
-# a worker holds on to its previous step's peak, which it reaches again in the next step.
-# Larger blocks (weight-sync buckets, whole tensors of big models) are still mapped and
-# unmapped. A value set in the environment of the process that creates the actors wins.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-
-
-def actor_env(cfg: RunConfig) -> dict:
-    threads = str(cfg.resources.torch_threads)
-    malloc = {k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}
-    return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false", **malloc}}
+def actor_env(cfg: RunConfig, num_cpus: float) -> dict | None:
+    """The runtime_env an actor of `num_cpus` CPUs needs, or None when Ray's own start gives
+    the same. Ray sets OMP_NUM_THREADS to the actor's whole CPUs (at least 1) before the
+    process imports torch, and `configure_worker_process` sets the rest inside the process
+    (torch's threads, the malloc thresholds, TOKENIZERS_PARALLELISM). Only a
+    `resources.torch_threads` other than that count needs the variables set at the start,
+    for the threads a threaded actor runs its calls on: OpenMP gives a thread it did not
+    start the count it read then. Without a runtime_env Ray starts the actor's process
+    directly, not through a set-up process of its own that imports Ray first (about
+    0.4 CPU-s and as many seconds more for every actor start, and every rebuild)."""
+    threads = cfg.resources.torch_threads
+    if threads == max(math.floor(num_cpus), 1):
+        return None
+    return {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
 
 
 def role_cpus(cfg: RunConfig) -> dict[str, float]:
@@ -185,7 +183,6 @@ def create_actor(
         get_if_exists=True,
         num_cpus=num_cpus,
         max_concurrency=concurrency,
-        runtime_env=actor_env(cfg),
     )
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -198,6 +195,9 @@ def create_actor(
             num_gpus=where.gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=where.bundle),
         )
+    env = actor_env(cfg, num_cpus)
+    if env is not None:
+        options["runtime_env"] = env
     groups = getattr(cls, "CONCURRENCY_GROUPS", None)
     remote_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
     deadline = time.monotonic() + PLACEMENT_TIMEOUT_S

@@ -11,7 +11,8 @@ rebuilding: usually the other rebuild already made what it needs.
 
 The lease expires unless renewed, so a holder that died mid-rebuild (its process or its
 node) blocks the others for `LEASE_S` at most. Losing the lease actor itself (its node
-died) only loses the exclusion for that moment; the next caller makes a new one.
+died) only loses the exclusion for that moment; the next caller makes a new one. The
+actor's class is in workers/rebuild_lease.py, outside this package (see there why).
 """
 
 from __future__ import annotations
@@ -24,35 +25,14 @@ from collections.abc import Iterator
 
 import ray
 
+from ratchet.workers.rebuild_lease import RestoreLease
+
 from .names import NAMESPACE, actor_name
 from .waiting import Waiter
 
 # How long a lease lasts without renewal; the holder renews it every third of that.
 LEASE_S = 30.0
 _POLL_S = 0.25
-
-
-class RestoreLease:
-    """A lease with a holder and an expiry; Ray runs its methods one at a time."""
-
-    def __init__(self) -> None:
-        self._holder: str | None = None
-        self._until = 0.0
-
-    def acquire(self, holder: str, lease_s: float) -> bool:
-        """Take (or renew) the lease for `holder` if it is free, expired or already theirs."""
-        now = time.monotonic()
-        if self._holder in (None, holder) or now >= self._until:
-            self._holder, self._until = holder, now + lease_s
-            return True
-        return False
-
-    def release(self, holder: str) -> None:
-        if self._holder == holder:
-            self._holder = None
-
-    def holder(self) -> str | None:
-        return self._holder if time.monotonic() < self._until else None
 
 
 def lease_name(run_id: str, role: str) -> str:
