@@ -1,4 +1,4 @@
-"""The extension points' registries: rollout engines, storage schemes, loop modes.
+"""The extension points' registries: rollout engines, storage schemes, loop modes, trackers.
 
 Each is one torch-free table that both the config schema and the code that builds the
 thing read, so an entry added there is accepted by `load_config` and used by the workers;
@@ -177,3 +177,88 @@ def test_workflow_dispatches_through_the_table():
         "TrainingWorkflow._run still picks its loop from its own dict; apply the issue-11 change: "
         "`loop = getattr(self, LOOP_MODES[plan.mode].method)` (and import LOOP_MODES from ratchet.workflows.modes)"
     )
+
+
+# --------------------------------------------------------------------------- trackers
+
+
+class ProbeTracker:
+    """A tracker backend written against `Tracker` alone, as a new one would be: it keeps
+    what it is given in memory (class-level, so a test sees every instance's calls)."""
+
+    name = "probe"
+    saves_last_step = True
+    calls: list[tuple] = []
+
+    def __init__(self, tracking):
+        self.experiment = tracking.experiment
+        self.last: int | None = None
+
+    def start_or_continue(self, run, saved):
+        self.last = saved.get("last_step")
+        self.calls.append(("start", run.run_id, self.experiment, self.last))
+        return {"continued": self.last is not None, "last_step": self.last}
+
+    def last_step(self):
+        return self.last
+
+    def log_config(self, config):
+        self.calls.append(("config", config["tracking"]["tags"]))
+
+    def log_step(self, step, metrics, time_unix=None):
+        self.calls.append(("step", step, dict(metrics)))
+        self.last = step
+
+    def log_summary(self, summary):
+        self.calls.append(("summary", dict(summary)))
+
+    def close(self, failed=False):
+        self.calls.append(("close", failed))
+
+
+def test_every_tracker_entry_resolves_to_a_builder_of_one_tracking_section():
+    from ratchet.config.schema import TrackingConfig
+    from ratchet.tracking import Tracker
+    from ratchet.tracking.catalog import TRACKERS
+
+    assert TRACKERS.names() == ["mlflow", "wandb"]
+    defaults = TrackingConfig()
+    assert {n: TRACKERS.get(n).enabled(defaults) for n in TRACKERS.names()} == {"mlflow": True, "wandb": False}
+    for name in TRACKERS.names():
+        builder = TRACKERS.get(name).builder()
+        assert list(inspect.signature(builder).parameters) == ["tracking"], name
+    wandb = TRACKERS.get("wandb").builder()(TrackingConfig.model_validate({"wandb": {"enabled": True, "project": "p"}}))
+    assert isinstance(wandb, Tracker) and wandb.name == "wandb" and wandb.project == "p" and wandb.saves_last_step
+
+
+def test_a_tracker_added_to_the_catalog_is_built_fed_and_continued(tmp_path):
+    """One catalog line and a module: a run whose config turns the backend on (here: the
+    tag `probe`) logs to it, each step once, and a later process continues it from
+    tracking.json."""
+    from ratchet.tracking import RunTracking
+    from ratchet.tracking.catalog import TRACKERS, TrackerEntry
+
+    TRACKERS.register("probe", TrackerEntry(f"{__name__}:ProbeTracker", lambda t: "probe" in t.tags, "a test's tracker"))
+    ProbeTracker.calls.clear()
+    config = {"tracking": {"mlflow": False, "experiment": "exp", "tags": ["probe"]}}
+    try:
+        first = RunTracking.open("run-1", str(tmp_path), config=config)
+        assert first.start() == ["probe"]
+        first.log_step(0, {"step": 0, "reward_mean": 0.5, "note": "text"})
+        first.log_step(0, {"step": 0, "reward_mean": 0.5})  # a retried record_step: no second point
+        first.log_step(1, {"step": 1, "reward_mean": 0.75})
+        first.close()
+        second = RunTracking.open("run-1", str(tmp_path), config=config)  # another worker process
+        assert second.start() == ["probe"]
+        second.finish({"steps": 2.0})
+        second.close(failed=True)
+        off = RunTracking.open("run-2", str(tmp_path / "other"), config={"tracking": {"mlflow": False}})
+        assert off.start() == []
+    finally:
+        TRACKERS.entries.pop("probe")
+    assert ProbeTracker.calls == [
+        ("start", "run-1", "exp", None), ("config", ["probe"]),
+        ("step", 0, {"reward_mean": 0.5}), ("step", 1, {"reward_mean": 0.75}), ("close", False),
+        ("start", "run-1", "exp", 1), ("config", ["probe"]), ("summary", {"steps": 2.0}), ("close", True),
+    ]  # fmt: skip
+

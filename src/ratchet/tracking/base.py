@@ -47,6 +47,10 @@ class Tracker(Protocol):
     `close`. Raising is allowed anywhere: `RunTracking` logs a warning and carries on."""
 
     name: str
+    # True for a backend that cannot tell the highest step it holds (offline wandb): the
+    # session writes `last_step` into the backend's part of tracking.json after every point,
+    # and `start_or_continue` finds it again in `saved`.
+    saves_last_step: bool
 
     def start_or_continue(self, run: RunInfo, saved: Mapping[str, Any]) -> dict[str, Any]:
         """Open the backend's run: the one `saved` names (what an earlier call returned,

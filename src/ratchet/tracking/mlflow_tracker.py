@@ -20,11 +20,16 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any, Mapping
 
+from typing import TYPE_CHECKING
+
 from ratchet.config.resume_keys import flatten
 from ratchet.private_paths import make_private_dirs
 
 from .base import RunInfo
 from .uris import MLFLOW_ARTIFACTS, mlflow_artifacts_dir, mlflow_uri, redact
+
+if TYPE_CHECKING:
+    from ratchet.config.schema import TrackingConfig
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +126,14 @@ def _link_into_place(tmp: Path, path: Path) -> None:
         pass
 
 
+def from_config(tracking: "TrackingConfig") -> "MlflowTracker":
+    """The catalog's builder (catalog.py): `tracking.mlflow_uri`, else the default store."""
+    return MlflowTracker(tracking.mlflow_uri)
+
+
 class MlflowTracker:
     name = "mlflow"
+    saves_last_step = False
 
     def __init__(self, uri: str | None = None):
         quiet_mlflow_env()

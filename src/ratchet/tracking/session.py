@@ -15,15 +15,18 @@ caller: the failure is a warning.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
+from ratchet.config.schema import TrackingConfig
 from ratchet.storage import MetricsLog, ObjectStore, RunLayout
 from ratchet.types import RunLineage
 
 from .base import RunInfo, Tracker, numeric_metrics
+from .catalog import TRACKERS
 from .uris import redact
 
 log = logging.getLogger(__name__)
@@ -33,26 +36,19 @@ FORMAT = "ratchet-tracking/1"
 RETRY_AFTER_S = 60.0
 
 
-def build_trackers(tracking: Mapping[str, Any]) -> list[tuple[str, Callable[[], Tracker]]]:
-    """(name, factory) of the backends a config's `tracking` section turns on."""
+def build_trackers(tracking: TrackingConfig) -> list[tuple[str, Callable[[], Tracker]]]:
+    """(name, factory) of the backends the `tracking` section turns on (catalog.py)."""
     out: list[tuple[str, Callable[[], Tracker]]] = []
-    if tracking.get("mlflow", True):
-        from .mlflow_tracker import MlflowTracker
-
-        out.append(("mlflow", lambda: MlflowTracker(tracking.get("mlflow_uri"))))
-    wandb = tracking.get("wandb") or {}
-    if wandb.get("enabled"):
-        from .wandb_tracker import WandbTracker
-
-        out.append(
-            (
-                "wandb",
-                lambda: WandbTracker(
-                    mode=wandb.get("mode", "offline"), project=wandb.get("project"), entity=wandb.get("entity"), dir=wandb.get("dir")
-                ),
-            )
-        )
+    for name in TRACKERS.names():
+        entry = TRACKERS.get(name)
+        if entry.enabled(tracking):
+            out.append((name, functools.partial(entry.builder(), tracking)))
     return out
+
+
+def tracking_section(config: Mapping[str, Any]) -> TrackingConfig:
+    """The typed `tracking` section of a stored run config (a plain mapping, as stored)."""
+    return TrackingConfig.model_validate(config.get("tracking", {}))
 
 
 @dataclass
@@ -82,9 +78,9 @@ class RunTracking:
         saved = store.get_json(TRACKING_KEY) if store.exists(TRACKING_KEY) else {}
         if lineage is None or lineage == RunLineage():
             lineage = RunLineage(**saved.get("lineage", {}))
-        tr = config.get("tracking", {})
-        run = RunInfo(run_id, run_uri, tr.get("experiment", "default"), tr.get("name", "run"), tuple(tr.get("tags", ())), lineage)
-        self = cls(run, store, build_trackers(tr), clock=clock)
+        tracking = tracking_section(config)
+        run = RunInfo(run_id, run_uri, tracking.experiment, tracking.name, tuple(tracking.tags), lineage)
+        self = cls(run, store, build_trackers(tracking), clock=clock)
         self.saved = {**saved, "format": FORMAT, "run_id": run_id, "lineage": asdict(lineage)}
         self.config = config
         return self
@@ -151,9 +147,8 @@ class RunTracking:
             slot.tracker.log_step(step, metrics, time_unix)  # type: ignore[union-attr]
             slot.last = step
 
-        if self._guard(slot, f"log step {step}", point) and slot.name == "wandb":
-            # Offline wandb cannot say where it got to: tracking.json remembers.
-            self.saved["wandb"]["last_step"] = step
+        if self._guard(slot, f"log step {step}", point) and slot.tracker.saves_last_step:  # type: ignore[union-attr]
+            self.saved[slot.name]["last_step"] = step
             self._save()
 
     # -- what the activities call ------------------------------------------------------

@@ -12,18 +12,28 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ratchet.private_paths import make_private_dirs
 
 from .base import RunInfo
 from .uris import WANDB_DIR, state_dir
 
+if TYPE_CHECKING:
+    from ratchet.config.schema import TrackingConfig
+
 log = logging.getLogger(__name__)
+
+
+def from_config(tracking: "TrackingConfig") -> "WandbTracker":
+    """The catalog's builder (catalog.py): the `tracking.wandb` section."""
+    w = tracking.wandb
+    return WandbTracker(mode=w.mode, project=w.project, entity=w.entity, dir=w.dir)
 
 
 class WandbTracker:
     name = "wandb"
+    saves_last_step = True
 
     def __init__(self, *, mode: str = "offline", project: str | None = None, entity: str | None = None, dir: str | None = None):
         if mode not in ("offline", "online"):
