@@ -9,6 +9,13 @@ if TYPE_CHECKING:
     from ratchet.config.schema import RunConfig
 
 
+# The platform tests' runs log to no tracker: MLflow costs the worker about 2 CPU-s a run
+# (its import, its store, a call per step), and tests/tracking/ is where a run's copy in a
+# tracker is checked (test_mlflow_ui.py: a real run on the platform, MLflow turned on). A
+# later `tracking.mlflow=true` in a test's own overrides wins.
+NO_TRACKER = "tracking.mlflow=false"
+
+
 def cfg_dict(model_path, **sections) -> dict:
     """The raw config: a small GRPO run on `model_path`, with `sections` merged in. No
     pydantic here: tests/gpu builds its configs from it on the GPU machine."""

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from .configs import NO_TRACKER
+
 # Nothing of ratchet at the top: tests/gpu is collected on the GPU machine, which has
 # torch and transformers but no pydantic, Ray or Temporal (benchmarks/gpu_machine.py).
 
@@ -100,13 +102,15 @@ class Platform:
     assets: object
 
     def overrides(self, *extra: str) -> list[str]:
-        """The demo recipe pointed at the test assets and storage, plus `extra`."""
+        """The demo recipe pointed at the test assets and storage, without MLflow
+        (`configs.NO_TRACKER` says why), plus `extra`."""
         train, evals = self.assets.data["copy"]
         return [
             f"model.path={self.assets.model}",
             f"data.train_files={train}",
             f"data.eval_files={evals}",
             f"storage.root={self.runs_root}",
+            NO_TRACKER,
             *extra,
         ]
 

@@ -25,6 +25,7 @@ from ratchet.platform.client import RECIPE_PATH, Client
 from ratchet.platform.demo import start_worker_process, stop_worker_process
 from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
 
+from ..configs import NO_TRACKER
 from . import run_checks
 from .run_checks import steps_recorded
 
@@ -50,7 +51,7 @@ class ChaosPlatform:
             f"model.path={self.assets.model}", f"data.train_files={train}", "data.eval_files=null",
             f"storage.root={self.state / 'runs'}", "warmup.steps=2", f"loop.prompts_per_step={PROMPTS}", f"rollout.n={N}",
             f"loop.steps={STEPS}", "checkpoint.every=4", "checkpoint.keep_last=2", "deterministic=true",
-            "loop.heartbeat_timeout_s=5", *extra,
+            "loop.heartbeat_timeout_s=5", NO_TRACKER, *extra,
         ]  # fmt: skip
 
     # -- faults --------------------------------------------------------------------------

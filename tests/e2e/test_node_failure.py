@@ -42,6 +42,7 @@ from ratchet.platform.client import RECIPE_PATH, Client
 from ratchet.platform.services import ServiceSettings, down, free_ports, node_record, ray_nodes, start_node, temporal_address, up
 from ratchet.platform.services import processes
 
+from ..configs import NO_TRACKER
 from ..s3_server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
 from . import run_checks
 from .run_checks import assert_same_weights, steps_recorded
@@ -121,7 +122,7 @@ class Cluster:
         return [
             f"model.path={self.assets.model}", f"data.train_files={train}", "data.eval_files=null", "storage.root=s3://runs/nodes",
             "warmup.steps=2", f"loop.prompts_per_step={PROMPTS}", f"rollout.n={N}", f"loop.steps={STEPS}", "checkpoint.every=3",
-            "deterministic=true", "loop.heartbeat_timeout_s=5", "trainer.world_size=2", POOLS, *extra,
+            "deterministic=true", "loop.heartbeat_timeout_s=5", "trainer.world_size=2", POOLS, NO_TRACKER, *extra,
         ]  # fmt: skip
 
     def run_uri(self, run_id: str) -> str:
