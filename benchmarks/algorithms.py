@@ -14,7 +14,7 @@ about ±0.15, so compare recipes over three seeds or more.
         --recipe "gae-lr3e-3: algorithm.adv_estimator=gae critic.lr=3e-3"
 
 `--recipes` takes names from RECIPES (hand-written: what a user would set for each
-algorithm); `--all` adds one recipe per name registered in src/ratchet/algorithms/catalog.py
+algorithm); `--all` adds one recipe per name registered in src/ratchet/catalog/algorithms.py
 (`adv:<estimator>`, `loss:<policy loss>`, `off_policy:<mode>`), so an algorithm added
 there is benchmarked without editing this file; `--recipe "LABEL: KEY=VALUE ..."` adds one
 of your own. A recipe that fails (bad config, an error in its step) gets a row saying so,

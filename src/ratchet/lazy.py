@@ -3,7 +3,7 @@
 A package that re-exports heavy names (torch, fsspec, transformers) from its submodules
 would load them whenever any submodule is imported, since Python runs the package's
 `__init__` first. Loading them on first access instead lets the torch-free catalogs
-(`algorithms/catalog.py`, `workers/engines/catalog.py`, `storage/schemes.py`) be imported
+(the tables of `ratchet/catalog/`) be imported
 by the config schema alone, in a client or CLI that never loads the maths.
 """
 

@@ -21,7 +21,7 @@ import pytest
 
 from ratchet.config import ConfigError, load_config
 from ratchet.tasks.generate import write_task_parquet
-from ratchet.tools.catalog import resolve_class
+from ratchet.catalog.tools import resolve_class
 from ratchet.user_code import UserCodeError, import_user_module
 
 ROOT_ONLY = pytest.mark.skipif(os.getuid() != 0, reason="only root can give a file to another user")

@@ -390,8 +390,8 @@ def test_config_error_survives_pickling() -> None:
 def test_importing_config_does_not_import_torch() -> None:
     """Nor does validating one: the client and CLI check algorithm names and flags, engine
     names, storage schemes and loop modes against torch-free catalogs
-    (src/ratchet/algorithms/catalog.py, workers/engines/catalog.py, storage/schemes.py,
-    workflows/modes.py), and load none of the heavy libraries behind them."""
+    (src/ratchet/catalog/: algorithms.py, engines.py, storage_schemes.py, loop_modes.py),
+    and load none of the heavy libraries behind them."""
     example = Path(__file__).resolve().parents[2] / "examples" / "copy_grpo.yaml"
     heavy = ("torch", "numpy", "transformers", "safetensors", "fsspec", "s3fs", "minio", "ray", "temporalio")
     code = textwrap.dedent(

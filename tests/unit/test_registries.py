@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from ratchet.config.schema import RunConfig
-from ratchet.storage import ObjectStore, schemes
+from ratchet.catalog import registry
+from ratchet.catalog import storage_schemes as schemes
+from ratchet.storage import ObjectStore
 from ratchet.storage.fsspec_backend import FsspecBackend, open_fsspec
 from ratchet.tasks.generate import write_task_parquet
 from ratchet.workers.engines import ENGINES, Engine, HFEngine
-from ratchet.workflows.modes import LOOP_MODES
+from ratchet.catalog.loop_modes import LOOP_MODES
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -138,7 +140,7 @@ def test_a_scheme_added_to_the_table_is_used_by_the_store_and_accepted_by_the_sc
     """The table is the one place: a new scheme (here fsspec's memory filesystem under
     another name, opened through a function of this module) reaches both."""
     opened = []
-    schemes.SCHEMES["testmem"] = schemes.Scheme(f"{__name__}:_open_testmem", "a test scheme", needs_bucket=True)
+    schemes.SCHEMES.register("testmem", schemes.Scheme(f"{__name__}:_open_testmem", "a test scheme", needs_bucket=True))
     globals()["_open_testmem"] = lambda url, **kw: (opened.append(url), open_fsspec("memory://" + url.split("://", 1)[1], **kw))[1]
     try:
         store = ObjectStore("testmem://bucket/runs")
@@ -149,9 +151,9 @@ def test_a_scheme_added_to_the_table_is_used_by_the_store_and_accepted_by_the_sc
         with pytest.raises(ValueError, match="names no bucket; use testmem://bucket"):
             make_cfg(tiny_model, copy_data, "testmem://")
     finally:
-        del schemes.SCHEMES["testmem"]
+        schemes.SCHEMES.entries.pop("testmem")
         globals().pop("_open_testmem")
-        schemes._load.cache_clear()
+        registry._load.cache_clear()  # the entry's opener, imported once
 
 
 # --------------------------------------------------------------------------- loop modes
@@ -167,15 +169,15 @@ def test_workflow_has_a_loop_method_for_each_mode_and_no_other():
     from ratchet.workflows.training import TrainingWorkflow
 
     loops = {name for name, fn in vars(TrainingWorkflow).items() if name.endswith("_loop") and inspect.iscoroutinefunction(fn)}
-    assert loops == {mode.method for mode in LOOP_MODES.values()}, "workflows/modes.py LOOP_MODES and TrainingWorkflow's loops differ"
+    assert loops == {mode.method for _, mode in LOOP_MODES.items()}, "catalog/loop_modes.py LOOP_MODES and TrainingWorkflow's loops differ"
 
 
 def test_workflow_dispatches_through_the_table():
     from ratchet.workflows import training
 
-    assert "LOOP_MODES[" in inspect.getsource(training.TrainingWorkflow._run), (
+    assert "LOOP_MODES.get(plan.mode)" in inspect.getsource(training.TrainingWorkflow._run), (
         "TrainingWorkflow._run still picks its loop from its own dict; apply the issue-11 change: "
-        "`loop = getattr(self, LOOP_MODES[plan.mode].method)` (and import LOOP_MODES from ratchet.workflows.modes)"
+        "`loop = getattr(self, LOOP_MODES.get(plan.mode).method)` (and import LOOP_MODES from ratchet.catalog.loop_modes)"
     )
 
 
@@ -219,7 +221,7 @@ class ProbeTracker:
 def test_every_tracker_entry_resolves_to_a_builder_of_one_tracking_section():
     from ratchet.config.schema import TrackingConfig
     from ratchet.tracking import Tracker
-    from ratchet.tracking.catalog import TRACKERS
+    from ratchet.catalog.trackers import TRACKERS
 
     assert TRACKERS.names() == ["mlflow", "wandb"]
     defaults = TrackingConfig()
@@ -236,7 +238,7 @@ def test_a_tracker_added_to_the_catalog_is_built_fed_and_continued(tmp_path):
     tag `probe`) logs to it, each step once, and a later process continues it from
     tracking.json."""
     from ratchet.tracking import RunTracking
-    from ratchet.tracking.catalog import TRACKERS, TrackerEntry
+    from ratchet.catalog.trackers import TRACKERS, TrackerEntry
 
     TRACKERS.register("probe", TrackerEntry(f"{__name__}:ProbeTracker", lambda t: "probe" in t.tags, "a test's tracker"))
     ProbeTracker.calls.clear()
@@ -261,4 +263,54 @@ def test_a_tracker_added_to_the_catalog_is_built_fed_and_continued(tmp_path):
         ("step", 0, {"reward_mean": 0.5}), ("step", 1, {"reward_mean": 0.75}), ("close", False),
         ("start", "run-1", "exp", 1), ("config", ["probe"]), ("summary", {"steps": 2.0}), ("close", True),
     ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the catalog package
+
+
+def test_the_catalog_tables_load_no_heavy_library():
+    """Every table of `ratchet.catalog` is read by the config schema in a client or CLI
+    process: importing all of them (and reading every name) loads none of the libraries
+    behind the entries."""
+    import subprocess
+    import sys
+    import textwrap
+
+    heavy = ("torch", "numpy", "transformers", "ray", "temporalio", "mlflow", "wandb", "fsspec", "s3fs", "minio", "optuna", "sqlalchemy")
+    code = textwrap.dedent(
+        f"""\
+        import importlib, pkgutil, sys
+        import ratchet.catalog as catalog
+        from ratchet.catalog.registry import Registry
+        tables = 0
+        for info in pkgutil.iter_modules(catalog.__path__):
+            module = importlib.import_module(f"ratchet.catalog.{{info.name}}")
+            for value in vars(module).values():
+                if isinstance(value, Registry):
+                    assert value.names(), value.kind
+                    tables += 1
+        loaded = [name for name in {heavy!r} if name in sys.modules]
+        assert not loaded, loaded
+        print(tables)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # algorithms (adv, policy loss, kl, loss aggregation, off-policy, preference), engines,
+    # storage schemes, loop modes, trackers, tool classes
+    assert int(out.stdout) >= 11, out.stdout
+
+
+def test_config_imports_nothing_from_workers_or_workflows():
+    """The config layer sits under the workers and the workflows: it reads their tables
+    from `ratchet.catalog`, never their modules (not even inside a function)."""
+    import ast
+
+    config = Path(__file__).resolve().parents[2] / "src" / "ratchet" / "config"
+    found = []
+    for path in sorted(config.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.startswith(("ratchet.workers", "ratchet.workflows"))]
+    assert found == [], found
 

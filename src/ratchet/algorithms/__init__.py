@@ -1,7 +1,7 @@
 """Pure torch RL algorithms: no I/O, no Ray, no Temporal. Selected by name through registries.
 See docs/algorithms.md for the formulas, config keys and papers.
 
-Every name a config can pick is listed in `catalog.py`: that is where an algorithm is added.
+Every name a config can pick is listed in `ratchet/catalog/algorithms.py`: that is where an algorithm is added.
 The catalog imports no torch, and neither does importing this package: the functions below
 are imported on first use, so the config schema validates names without loading torch.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ratchet.lazy import lazy_exports
 
-from .catalog import (
+from ratchet.catalog.algorithms import (
     ADV_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,

@@ -4,7 +4,7 @@
 
 `token_rewards` holds each sequence's reward on its last response token (plus any
 per-token KL penalty when the KL is in the reward); outcome estimators use its sum.
-Each estimator is registered, with the inputs it needs, by its line in catalog.py.
+Each estimator is registered, with the inputs it needs, by its line in catalog/algorithms.py.
 
 Masks may have holes: in a multi-turn rollout the tool output inside the response is
 mask 0. Nothing here treats the mask as a prefix: the last response token is the last 1

@@ -5,7 +5,7 @@ all data-parallel ranks and micro-batches) that the trainer passes in. Summing t
 micro-batch losses and the ranks' gradients then gives exactly the loss and gradient of
 the full batch, whatever the world size or micro-batching (verl's historical bug was
 averaging per micro-batch, which weights short micro-batches more). Each mode is
-registered by its line in catalog.py.
+registered by its line in catalog/algorithms.py.
 """
 
 from __future__ import annotations

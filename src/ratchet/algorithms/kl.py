@@ -11,7 +11,7 @@ d/dlogprob = logprob - ref_logprob, whose expectation under on-policy samples is
 of KL(pi || ref); used directly as loss terms, k1 and k3 give biased gradients (Tang & Munos,
 2025, "On a few pitfalls in KL divergence gradient estimation for RL").
 
-The names a config uses (aliases and "+" variants included) are listed in catalog.py.
+The names a config uses (aliases and "+" variants included) are listed in catalog/algorithms.py.
 
 `AdaptiveKLController` (Ziegler et al., 2019, arXiv:1909.08593) adapts the coefficient when
 `algorithm.kl.target` is set; without a target the coefficient simply stays `algorithm.kl.coef`.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .catalog import KL_ESTIMATORS
+from ratchet.catalog.algorithms import KL_ESTIMATORS
 
 
 def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .catalog import OFF_POLICY
+from ratchet.catalog.algorithms import OFF_POLICY
 from .off_policy_settings import as_is_weights, as_rejection, is_weights_problems, mode_problems, raise_problems, rejection_problems
 from .rollout_correction import LEVELS, Totals, add_diagnostics, batch_normalize, criterion_passes, finish_diagnostics
 from .rollout_correction import importance_weights, level_log_ratio, ratio
@@ -55,7 +55,7 @@ class OffPolicyCorrection:
 
 @dataclass
 class Decision:
-    """What a registered correction returns (see catalog.py)."""
+    """What a registered correction returns (see catalog/algorithms.py)."""
 
     weights: torch.Tensor  # [B, T] before masking
     keep: torch.Tensor  # [B, T] bool

@@ -1,6 +1,6 @@
 """Policy-gradient losses. Each returns the per-token loss matrix and per-token clip
 indicators; aggregation to a scalar is a separate, registered choice (aggregation.py).
-Each loss is registered by its line in catalog.py."""
+Each loss is registered by its line in catalog/algorithms.py."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Follows verl's `compute_policy_loss_clip_cov` / `compute_policy_loss_kl_cov`
 (verl/trainer/ppo/core_algos.py), with the signature of policy_losses.py. As in verl, the
 covariance is taken over the tokens the call sees, one micro-batch
 (`trainer.micro_batch_size` sequences) at a time, and the number of tokens selected is a
-fraction of that micro-batch's tokens (at least one). Registered by their lines in catalog.py.
+fraction of that micro-batch's tokens (at least one). Registered by their lines in catalog/algorithms.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ LossParams) -> TokenLoss`, a per-token loss that aggregation (aggregation.py) tu
 scalar. Unlike verl, the functions do not aggregate: each docstring names the aggregation
 that gives the paper's objective. Padding may hold any value (-inf, NaN): every per-token
 output is finite and padded positions get no gradient. Registered by their lines in
-catalog.py; the differences from verl are listed in docs/algorithms.md.
+catalog/algorithms.py; the differences from verl are listed in docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -20,15 +20,15 @@ from pydantic import Discriminator, Tag
 
 # The catalogs (names and estimator flags, engines, storage schemes, loop modes) import no
 # torch, so validating a config does not either (tests/unit/test_config.py checks it).
-from ratchet.algorithms.catalog import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
+from ratchet.catalog.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
 from ratchet.algorithms.off_policy_settings import as_is_weights, as_rejection, criterion_problems, is_weights_problems, mode_problems
 from ratchet.algorithms.off_policy_settings import rejection_problems
 from ratchet.config.placement_plan import POOL_ROLES, PlacementProblem, plan_placement, problems_text
 from ratchet.config.sync_transport import transport_problems
-from ratchet.storage import schemes
+from ratchet.catalog import storage_schemes as schemes
 from ratchet.storage.layout import RunLayout
-from ratchet.workers.engines.catalog import ENGINES
-from ratchet.workflows.modes import LOOP_MODES
+from ratchet.catalog.engines import ENGINES
+from ratchet.catalog.loop_modes import LOOP_MODES
 
 # The per-batch sampling seed is `(seed * 1_000_003 + batch) * 101 + part`
 # (workers/batch_seeds.sampling_seed; `part` < algorithm.max_sampling_rounds). With
@@ -671,7 +671,7 @@ class StorageConfig(Section):
     def _known_scheme(cls, root: str) -> str:
         """Any other fsspec protocol (or a `s3:/` typo read as a local folder) would fail, or
         write somewhere unexpected, only once the workers start. The schemes, and which need a
-        bucket, come from the storage layer's table (src/ratchet/storage/schemes.py)."""
+        bucket, come from the storage layer's table (src/ratchet/catalog/storage_schemes.py)."""
         supported = schemes.supported()
         if not root.strip():
             raise ValueError(f"empty; set {supported}")
@@ -852,7 +852,7 @@ class DpoStage(SupervisedStageBase):
     @field_validator("loss")
     @classmethod
     def _known_preference_loss(cls, name: str) -> str:
-        from ratchet.algorithms.catalog import PREFERENCE_LOSSES
+        from ratchet.catalog.algorithms import PREFERENCE_LOSSES
 
         return PREFERENCE_LOSSES.check(name)
 

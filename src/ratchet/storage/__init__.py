@@ -1,7 +1,7 @@
 """Object storage: a store over local folders, S3 and MinIO, and the batch, metrics and
 checkpoint stores on top of it.
 
-The supported URL schemes are listed in `schemes.py`: that is where a backend is added.
+The supported URL schemes are listed in `ratchet/catalog/storage_schemes.py`: that is where a backend is added.
 The names below are imported on first use, so importing `ratchet.storage.schemes` (as the
 config schema does) loads neither torch (batch_store) nor fsspec and the S3 clients.
 """

@@ -2,7 +2,7 @@
 (multipart sizing and uploads, local fsync).
 
 `ObjectStore` keeps its one-argument constructor (`ObjectStore(url)`) and picks a backend
-from the URL scheme (the table in `schemes.py`); callers never see which one. A backend
+from the URL scheme (the table in `ratchet/catalog/storage_schemes.py`); callers never see which one. A backend
 does single attempts on full paths (`bucket/prefix/key`, or a local path); `ObjectStore`
 adds retries, key mapping and checksums on top, so each backend stays a thin translation
 to its client library: `fsspec_backend.py` (local folders, s3fs, memory) and

@@ -159,7 +159,7 @@ class MinioBackend:
 
 
 def open_minio(url: str, *, part_size: int, concurrency: int) -> tuple[MinioBackend, str]:
-    """minio://bucket[/prefix] (schemes.py's opener for it: this module, and so the minio
+    """minio://bucket[/prefix] (catalog/storage_schemes.py's opener for it: this module, and so the minio
     client, is imported only for such a store)."""
     path = url.split("://", 1)[1]
     if not path.strip("/"):

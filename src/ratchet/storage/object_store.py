@@ -2,7 +2,7 @@
 
 `ObjectStore(url)` works with local folders (plain paths or `file://`), `s3://bucket/prefix`
 (s3fs), `minio://bucket/prefix` (the minio client) and `memory://` (tests). The backend is
-chosen from the URL's scheme by the table in `schemes.py` (where a backend is added);
+chosen from the URL's scheme by the table in `ratchet/catalog/storage_schemes.py` (where a backend is added);
 callers only ever pass the URL, and endpoints and credentials come from the environment
 (see `s3_env.py`).
 
@@ -43,7 +43,7 @@ import tenacity
 from ratchet.ids import check_id
 from ratchet.private_paths import make_private_dirs
 
-from . import schemes
+from ratchet.catalog import storage_schemes as schemes
 from .backends import Backend, fsync_dir, fsync_file
 from .failures import is_transient, missing_credentials
 from .s3_env import StorageConfigError, contains_secret, redact

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .catalog import check_class_name, resolve_class
+from ratchet.catalog.tools import check_class_name, resolve_class
 
 TOOLS_KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
 # verl's generic per-tool config keys; `type: native` is the only kind ratchet runs.

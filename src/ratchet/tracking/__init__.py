@@ -2,7 +2,7 @@
 store) and wandb (when configured, offline by default).
 
 `Tracker` (base.py) is what a backend fulfils; `mlflow_tracker.py` and `wandb_tracker.py`
-are the two backends, listed by name in `catalog.py` (where a new one is added);
+are the two backends, listed by name in `ratchet/catalog/trackers.py` (where a new one is added);
 `session.RunTracking` holds one run's backends in a process and
 continues their runs from the run folder's `tracking.json`; `dispatch.DISPATCHER` does
 the work on one background thread so that no training step waits for a tracker. The

@@ -127,7 +127,7 @@ def _link_into_place(tmp: Path, path: Path) -> None:
 
 
 def from_config(tracking: "TrackingConfig") -> "MlflowTracker":
-    """The catalog's builder (catalog.py): `tracking.mlflow_uri`, else the default store."""
+    """The catalog's builder (ratchet/catalog/trackers.py): `tracking.mlflow_uri`, else the default store."""
     return MlflowTracker(tracking.mlflow_uri)
 
 

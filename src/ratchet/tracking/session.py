@@ -26,7 +26,7 @@ from ratchet.storage import MetricsLog, ObjectStore, RunLayout
 from ratchet.types import RunLineage
 
 from .base import RunInfo, Tracker, numeric_metrics
-from .catalog import TRACKERS
+from ratchet.catalog.trackers import TRACKERS
 from .uris import redact
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ RETRY_AFTER_S = 60.0
 
 
 def build_trackers(tracking: TrackingConfig) -> list[tuple[str, Callable[[], Tracker]]]:
-    """(name, factory) of the backends the `tracking` section turns on (catalog.py)."""
+    """(name, factory) of the backends the `tracking` section turns on (ratchet/catalog/trackers.py)."""
     out: list[tuple[str, Callable[[], Tracker]]] = []
     for name in TRACKERS.names():
         entry = TRACKERS.get(name)

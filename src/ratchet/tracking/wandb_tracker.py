@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def from_config(tracking: "TrackingConfig") -> "WandbTracker":
-    """The catalog's builder (catalog.py): the `tracking.wandb` section."""
+    """The catalog's builder (ratchet/catalog/trackers.py): the `tracking.wandb` section."""
     w = tracking.wandb
     return WandbTracker(mode=w.mode, project=w.project, entity=w.entity, dir=w.dir)
 

@@ -286,7 +286,7 @@ class _StageTrainer:
 
 
 def _pref_loss(stage):
-    from ratchet.algorithms.catalog import PREFERENCE_LOSSES
+    from ratchet.catalog.algorithms import PREFERENCE_LOSSES
 
     return PREFERENCE_LOSSES.get(stage.loss)
 

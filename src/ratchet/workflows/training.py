@@ -92,7 +92,7 @@ from ratchet.types import (
 from ratchet.workflows import commands
 from ratchet.workflows import scheduling as sched
 from ratchet.workflows import search_attributes as sa
-from ratchet.workflows.modes import LOOP_MODES
+from ratchet.catalog.loop_modes import LOOP_MODES
 from ratchet.workflows.phases import PHASES, RETRY
 from ratchet.workflows import live
 
@@ -287,7 +287,7 @@ class TrainingWorkflow:
             return await self._stopped_in_queue(self._state)
         self._startup = ""
         state, plan = self._state, self._plan
-        loop = getattr(self, LOOP_MODES[plan.mode].method)
+        loop = getattr(self, LOOP_MODES.get(plan.mode).method)
         can = await loop(state, plan)
         await self._records_written()
         if self._stop_needs_checkpoint(state, plan) and workflow.patched(CHECKPOINT_ON_STOP):

@@ -22,7 +22,7 @@ from ratchet.algorithms import (
     register_loss_agg,
     register_policy_loss,
 )
-from ratchet.algorithms.registry import Registry, decorator
+from ratchet.catalog.registry import Registry, decorator
 
 torch.set_num_threads(1)
 
@@ -85,7 +85,7 @@ def test_fresh_registry_and_decorator():
 
 
 # Each kind's implementations, recognised by their parameters: a function with this signature
-# in the module is an implementation, and must be listed in catalog.py (and vice versa).
+# in the module is an implementation, and must be listed in catalog/algorithms.py (and vice versa).
 IMPLEMENTATIONS = {
     "advantage estimator": (("ratchet.algorithms.advantages", "ratchet.algorithms.advantages_outcome"), ["inputs", "params"]),
     "policy loss": (

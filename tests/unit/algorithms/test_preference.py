@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from ratchet.algorithms.catalog import PREFERENCE_LOSSES
+from ratchet.catalog.algorithms import PREFERENCE_LOSSES
 from ratchet.algorithms.preference import PrefInputs, PrefParams, dpo_sigmoid, ipo, preference_metrics, simpo
 from ratchet.algorithms.sft import sequence_logprobs, sft_loss, token_logprobs
 

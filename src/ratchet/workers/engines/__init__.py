@@ -1,6 +1,6 @@
 """Generation engines behind one protocol (`base.Engine`); pick one with `rollout.engine`.
 
-The engines a config can name are listed in `catalog.py`: that is where one is added. This
+The engines a config can name are listed in `ratchet/catalog/engines.py`: that is where one is added. This
 package imports no torch itself: the engine classes are imported on first use, so the
 config schema can read the catalog without loading torch or transformers.
 """
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ratchet.lazy import lazy_exports
 
-from .catalog import ENGINES
+from ratchet.catalog.engines import ENGINES
 
 if TYPE_CHECKING:
     from .base import Engine, Generation, SamplingParams, WeightSwap

@@ -1,6 +1,6 @@
 """The contract every generation engine (transformers, vLLM, SGLang) fulfils.
 
-Engines are listed in `catalog.py`; this module imports neither torch nor numpy at run time.
+Engines are listed in `ratchet/catalog/engines.py`; this module imports neither torch nor numpy at run time.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ WeightSwap = Callable[[], "int | None"]
 
 
 class Engine(Protocol):
-    """Built as `cls(model_path, *, dtype)` (catalog.py): `model_path` a local Hugging Face
+    """Built as `cls(model_path, *, dtype)` (ratchet/catalog/engines.py): `model_path` a local Hugging Face
     model folder (weights and tokenizer), `dtype` one of `model.dtype`'s values."""
 
     # True when `generate` honours `weight_swap` (weights can change between decode steps).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .catalog import ENGINES
+from ratchet.catalog.engines import ENGINES
 
 if TYPE_CHECKING:
     from ratchet.config.schema import RunConfig

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ratchet.algorithms.registry import Registry
+from .registry import Registry
 
 if TYPE_CHECKING:
-    from .base import Engine
+    from ratchet.workers.engines.base import Engine
 
 ENGINES: "Registry[type[Engine]]" = Registry("rollout engine")
 ENGINES.register("hf", "ratchet.workers.engines.hf:HFEngine")  # transformers' `generate`; CPU or one GPU

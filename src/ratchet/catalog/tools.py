@@ -6,17 +6,22 @@ from __future__ import annotations
 
 from ratchet.user_code import UserCodeError, import_user_module
 
-# class_name -> "module:Class"
-TOOL_CLASSES: dict[str, str] = {
-    "calculator": "ratchet.tools.calculator:Calculator",
-    "ratchet.tools.calculator.Calculator": "ratchet.tools.calculator:Calculator",
-    "code_runner": "ratchet.tools.code_runner:CodeRunner",
-    "ratchet.tools.code_runner.CodeRunner": "ratchet.tools.code_runner:CodeRunner",
+from .registry import Registry
+
+# class_name -> "module:Class" (several names may mean one class: a short name, the full
+# one, and verl's name for what ratchet's class stands in for)
+TOOL_CLASSES: Registry[str] = Registry("tool class")
+for _names, _target in (
+    (("calculator", "ratchet.tools.calculator.Calculator"), "ratchet.tools.calculator:Calculator"),
+    (("code_runner", "ratchet.tools.code_runner.CodeRunner"), "ratchet.tools.code_runner:CodeRunner"),
     # verl's remote code tool: a client of a SandboxFusion server at config.sandbox_fusion_url.
-    "sandbox_fusion": "ratchet.tools.sandbox_fusion:SandboxFusionTool",
-    "ratchet.tools.sandbox_fusion.SandboxFusionTool": "ratchet.tools.sandbox_fusion:SandboxFusionTool",
-    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "ratchet.tools.sandbox_fusion:SandboxFusionTool",
-}
+    (
+        ("sandbox_fusion", "ratchet.tools.sandbox_fusion.SandboxFusionTool", "verl.tools.sandbox_fusion_tools.SandboxFusionTool"),
+        "ratchet.tools.sandbox_fusion:SandboxFusionTool",
+    ),
+):
+    for _name in _names:
+        TOOL_CLASSES.register(_name, _target)
 
 
 def is_import_path(class_name: str) -> bool:
@@ -38,7 +43,7 @@ def check_class_name(class_name: object, where: str) -> str:
 
 def resolve_class(class_name: str, where: str = "class_name") -> type:
     """The class `class_name` names (imported now); ValueError saying what is wrong."""
-    spec = TOOL_CLASSES.get(class_name, class_name)
+    spec = TOOL_CLASSES.entries.get(class_name, class_name)
     check_class_name(class_name, where)
     target, _, attr = spec.rpartition(":")
     try:

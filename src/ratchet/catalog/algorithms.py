@@ -31,7 +31,7 @@ def register_all(registry: Registry, module: str, functions: dict[str, str]) -> 
 
 
 if TYPE_CHECKING:
-    from .advantages import AdvInputs, AdvOutput, AdvParams
+    from ratchet.algorithms.advantages import AdvInputs, AdvOutput, AdvParams
 
 
 @dataclass(frozen=True)

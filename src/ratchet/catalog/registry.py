@@ -1,10 +1,10 @@
-"""A name -> implementation registry, so configs pick algorithms by name and errors list
-what exists instead of failing deep inside the trainer.
+"""The one table type of every catalog: a name -> implementation registry, so configs pick
+an implementation by name and errors list what exists instead of failing deep inside a
+worker.
 
-The built-in algorithms are all listed in `catalog.py`; that is where a new one is added.
 An entry may be given as a "module:attribute" string, imported on the first `get`: the
-names (and an estimator's flags) are then known without importing torch, which is what
-lets the config schema validate a config in a process that never loads the maths.
+names (and an entry's flags) are then known without importing torch, which is what lets
+the config schema validate a config in a process that never loads the maths.
 """
 
 from __future__ import annotations
@@ -44,6 +44,17 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self.entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __iter__(self):
+        """The names, in the order they were registered (the order tables are shown in)."""
+        return iter(self.entries)
+
+    def items(self) -> list[tuple[str, T | str]]:
+        """(name, entry) in registration order; an entry given as a string stays one."""
+        return list(self.entries.items())
 
     def check(self, name: str) -> str:
         """Return `name` if registered, else raise a ValueError that lists the valid names."""

@@ -8,12 +8,15 @@ scheduling.py, unit-tested in tests/unit/test_scheduling.py), add its line below
 end-to-end run in tests/e2e/test_async.py (or test_e2e.py) that trains in the new mode.
 tests/unit/test_registries.py checks that the table and the workflow's methods agree.
 
-Standard library only: the config schema and the Temporal sandbox both import it.
+Standard library only (with the catalog's `Registry`): the config schema and the Temporal
+sandbox both import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .registry import Registry
 
 
 @dataclass(frozen=True)
@@ -22,8 +25,7 @@ class LoopMode:
     description: str
 
 
-LOOP_MODES: dict[str, LoopMode] = {
-    "sync": LoopMode("_sync_loop", "rollout, score, train, sync in order."),
-    "one_step_off": LoopMode("_one_step_off_loop", "batch n+1 is generated (weights of step n) while step n trains."),
-    "fully_async": LoopMode("_fully_async_loop", "rollouts run ahead of the trainer, within max_staleness."),
-}
+LOOP_MODES: Registry[LoopMode] = Registry("loop mode")
+LOOP_MODES.register("sync", LoopMode("_sync_loop", "rollout, score, train, sync in order."))
+LOOP_MODES.register("one_step_off", LoopMode("_one_step_off_loop", "batch n+1 is generated (weights of step n) while step n trains."))
+LOOP_MODES.register("fully_async", LoopMode("_fully_async_loop", "rollouts run ahead of the trainer, within max_staleness."))

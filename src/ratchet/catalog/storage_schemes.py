@@ -18,11 +18,11 @@ without loading fsspec, the S3 clients or torch.
 
 from __future__ import annotations
 
-import functools
-import importlib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from .registry import Registry, resolve
 
 LOCAL = "file"  # the scheme of a plain path
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")  # two letters at least: C: is a Windows drive
@@ -36,19 +36,18 @@ class Scheme:
 
     @property
     def open(self) -> Callable[..., tuple[Any, str]]:
-        return _load(self.opener)
+        return resolve(self.opener)
 
 
 _FSSPEC = "ratchet.storage.fsspec_backend:open_fsspec"
-SCHEMES: dict[str, Scheme] = {
-    "file": Scheme(_FSSPEC, "a local folder (a plain path works too)"),
-    "s3": Scheme(_FSSPEC, "S3 or any S3-protocol server, through s3fs (endpoint and keys from AWS_* variables)", needs_bucket=True),
-    "s3a": Scheme(_FSSPEC, "the same as s3://", needs_bucket=True),
-    "minio": Scheme(
-        "ratchet.storage.minio_backend:open_minio", "any S3-protocol server, through the minio client (AWS_* variables)", needs_bucket=True
-    ),
-    "memory": Scheme(_FSSPEC, "fsspec's in-process memory filesystem, for tests"),
-}
+SCHEMES: Registry[Scheme] = Registry("storage scheme")
+SCHEMES.register("file", Scheme(_FSSPEC, "a local folder (a plain path works too)"))
+SCHEMES.register("s3", Scheme(_FSSPEC, "S3 or any S3-protocol server, through s3fs (endpoint and keys from AWS_* variables)", needs_bucket=True))
+SCHEMES.register("s3a", Scheme(_FSSPEC, "the same as s3://", needs_bucket=True))
+SCHEMES.register(
+    "minio", Scheme("ratchet.storage.minio_backend:open_minio", "any S3-protocol server, through the minio client (AWS_* variables)", needs_bucket=True)
+)
+SCHEMES.register("memory", Scheme(_FSSPEC, "fsspec's in-process memory filesystem, for tests"))
 
 
 class UnknownScheme(ValueError):
@@ -74,10 +73,4 @@ def lookup(url: str) -> Scheme:
     scheme = scheme_of(url)
     if scheme not in SCHEMES:
         raise UnknownScheme(scheme, url)
-    return SCHEMES[scheme]
-
-
-@functools.cache
-def _load(target: str) -> Any:
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return SCHEMES.get(scheme)

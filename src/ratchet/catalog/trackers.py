@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ratchet.algorithms.registry import Registry, resolve
+from .registry import Registry, resolve
 
 if TYPE_CHECKING:
     from ratchet.config.schema import TrackingConfig
 
-    from .base import Tracker
+    from ratchet.tracking.base import Tracker
 
 
 @dataclass(frozen=True)
