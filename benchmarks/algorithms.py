@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--recipes", default=None, help="comma-separated names from RECIPES (default: all of them, unless --all or --recipe)")
     ap.add_argument("--estimators", dest="recipes", help=argparse.SUPPRESS)  # the old name of --recipes
     ap.add_argument("--all", action="store_true", help="also one recipe per registered estimator, policy loss and off-policy mode")
-    ap.add_argument("--recipe", dest="adhoc", action="append", default=[], metavar="'LABEL: KEY=VALUE ...'", help="a recipe of your own (repeatable)")
+    ap.add_argument(
+        "--recipe", dest="adhoc", action="append", default=[], metavar="'LABEL: KEY=VALUE ...'", help="a recipe of your own (repeatable)"
+    )
     ap.add_argument("--seeds", default="0", help="comma-separated run seeds (default 0)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE", help="override for every recipe (repeatable)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")

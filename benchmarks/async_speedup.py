@@ -16,7 +16,6 @@ max(generate, train) for the overlapped modes).
     .venv/bin/python benchmarks/async_speedup.py --smoke   # seconds: that it still runs (make test does)
 """
 
-
 import argparse
 import asyncio
 import json
@@ -140,7 +139,9 @@ def simulated(steps: int, stage_seconds: float) -> dict[str, float]:
                     delay={"generate": stage_seconds, "train": stage_seconds},
                     answers={"record_step": lambda _: recorded.append(time.perf_counter())},
                 )
-                cfg = load_config(RECIPE_PATH, [f"loop.steps={steps}", "data.eval_files=null", "checkpoint.every=0", *extra], check_files=False)
+                cfg = load_config(
+                    RECIPE_PATH, [f"loop.steps={steps}", "data.eval_files=null", "checkpoint.every=0", *extra], check_files=False
+                )
                 inp = training_input(f"sim-{mode}-{time.time_ns()}", loop_plan(cfg))
                 await run_on(env.client, standins, inp, limit_s=60 + 10 * steps * stage_seconds)
                 # Steady state: between the first and the last step's record (the first
@@ -159,11 +160,17 @@ def main() -> None:
     ap.add_argument("--skip-real", action="store_true")
     ap.add_argument("--seeds", type=int, default=3, help="runs per mode (seeds 0..N-1), interleaved across modes")
     ap.add_argument("--max-staleness", type=int, default=2, help="fully_async: loop.max_staleness (queue limit: one more)")
-    ap.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs: the orchestration part only, 3 steps of 0.1 s stages")
+    ap.add_argument(
+        "--smoke", action="store_true", help="seconds, to show the script still runs: the orchestration part only, 3 steps of 0.1 s stages"
+    )
     args = ap.parse_args()
     if args.smoke:
         args.skip_real, args.sim_steps, args.stage_seconds = True, 3, 0.1
-    MODES["fully_async"] = ["loop.mode=fully_async", f"loop.max_staleness={args.max_staleness}", f"loop.queue_limit={args.max_staleness + 1}"]
+    MODES["fully_async"] = [
+        "loop.mode=fully_async",
+        f"loop.max_staleness={args.max_staleness}",
+        f"loop.queue_limit={args.max_staleness + 1}",
+    ]
     console = Console(width=200)
     work = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-speed-"))
     try:

@@ -180,7 +180,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000], help="checkpoint sizes in MiB")
     ap.add_argument("--files", type=int, default=4, help="shard files per checkpoint")
-    ap.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs (make test does): one 2 MiB checkpoint of 2 files")
+    ap.add_argument(
+        "--smoke", action="store_true", help="seconds, to show the script still runs (make test does): one 2 MiB checkpoint of 2 files"
+    )
     args = ap.parse_args()
     if args.smoke:
         args.sizes_mb, args.files = [2], 2
@@ -226,7 +228,13 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     table = Table(title=f"checkpoint throughput, MB/s (MiB/s; {args.files} shards + config.json; moto server on 127.0.0.1)")
-    for col, justify in (("size", "right"), ("target", "left"), ("upload", "right"), ("download", "right"), ("upload / raw minio", "right")):
+    for col, justify in (
+        ("size", "right"),
+        ("target", "left"),
+        ("upload", "right"),
+        ("download", "right"),
+        ("upload / raw minio", "right"),
+    ):
         table.add_column(col, justify=justify)
     for r in rows:
         remote = "local" not in r.target and "raw" not in r.target

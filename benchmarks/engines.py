@@ -162,7 +162,9 @@ def measure(w: Workload, engine_name: str, repeats: int, storage: Path) -> Measu
         actor_seconds = time.perf_counter() - t0
         raw_tokens = sum(len(g.token_ids) for group in groups for g in group)
         if raw_tokens != result.num_response_tokens:
-            print(f"note: {engine_name} call {call}: raw and actor generated different samples ({raw_tokens} vs {result.num_response_tokens} tokens)")
+            print(
+                f"note: {engine_name} call {call}: raw and actor generated different samples ({raw_tokens} vs {result.num_response_tokens} tokens)"
+            )
         if call:
             raw_rates.append(raw_tokens / raw_seconds)
             actor_rates.append(result.num_response_tokens / actor_seconds)
@@ -183,9 +185,13 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,smollm2")
     ap.add_argument("--engines", default="hf,vllm")
     ap.add_argument(
-        "--cache", default=None, help="where the models are built, kept between runs (default: the private cache, ~/.cache/ratchet/bench-engines)"
+        "--cache",
+        default=None,
+        help="where the models are built, kept between runs (default: the private cache, ~/.cache/ratchet/bench-engines)",
     )
-    ap.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs (make test does): the tiny model on HF, one call each")
+    ap.add_argument(
+        "--smoke", action="store_true", help="seconds, to show the script still runs (make test does): the tiny model on HF, one call each"
+    )
     args = ap.parse_args()
     if args.smoke:
         args.models, args.engines, args.repeats = "tiny", "hf", 1
@@ -212,7 +218,15 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     table = Table(title=f"generation tokens/s, raw engine vs ratchet's rollout actor (median of {args.repeats} calls)")
-    columns = ("model", "engine", "batch (prompts x n x max tokens)", "raw engine", "rollout actor", "actor / raw", "actor time outside generation")
+    columns = (
+        "model",
+        "engine",
+        "batch (prompts x n x max tokens)",
+        "raw engine",
+        "rollout actor",
+        "actor / raw",
+        "actor time outside generation",
+    )
     for i, col in enumerate(columns):
         table.add_column(col, justify="left" if i < 3 else "right")
     for w, engine, m in rows:

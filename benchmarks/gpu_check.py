@@ -74,9 +74,15 @@ RATCHET_MODULES = (
 # The paths that one H200 without Ray or vLLM cannot exercise, and why.
 NOT_TESTABLE = (
     ("NCCL between trainer ranks, and the NCCL trainer -> engine broadcast", "needs two GPUs: NCCL cannot join two processes on one GPU"),
-    ("vLLM engine on CUDA (sleep/wake, weight reload)", "vllm is not installed there and its wheel (~400 MB) cannot travel (64 MiB a call)"),
+    (
+        "vLLM engine on CUDA (sleep/wake, weight reload)",
+        "vllm is not installed there and its wheel (~400 MB) cannot travel (64 MiB a call)",
+    ),
     ("SGLang engine", "sglang is not installed there and is too large to carry"),
-    ("the sync through Ray actors (TrainerWorker, RolloutWorker)", "Ray is not there and its wheel (79 MB) cannot travel; the same IPC code runs here without Ray"),
+    (
+        "the sync through Ray actors (TrainerWorker, RolloutWorker)",
+        "Ray is not there and its wheel (79 MB) cannot travel; the same IPC code runs here without Ray",
+    ),
     ("QLoRA (trainer.lora.quantize=4bit)", "bitsandbytes is not installed there and its CUDA wheel is too large to carry"),
 )
 
@@ -207,7 +213,10 @@ class Report:
     def add(self, check: str, result: str, *, goal: str = "", status: str = "info", detail: str = "") -> None:
         row = Row(check, result, goal, status, detail)
         self.rows.append(row)
-        print(f"[gpu_check] {status:>5}  {check}: {result}" + (f" (goal {goal})" if goal else "") + (f"; {detail}" if detail else ""), flush=True)
+        print(
+            f"[gpu_check] {status:>5}  {check}: {result}" + (f" (goal {goal})" if goal else "") + (f"; {detail}" if detail else ""),
+            flush=True,
+        )
         self.write()
 
     def markdown(self) -> str:
@@ -321,7 +330,12 @@ def check_imports(report: Report) -> bool:
     if failed:
         report.add("imports", f"{len(failed)} of {len(RATCHET_MODULES)} modules fail", status="FAIL", detail="; ".join(failed))
         return False
-    report.add("imports", f"{len(RATCHET_MODULES)} modules", status="PASS", detail="ratchet from " + str(Path(sys.modules["ratchet"].__file__).parent))
+    report.add(
+        "imports",
+        f"{len(RATCHET_MODULES)} modules",
+        status="PASS",
+        detail="ratchet from " + str(Path(sys.modules["ratchet"].__file__).parent),
+    )
     return True
 
 
@@ -520,7 +534,9 @@ def check_grpo(report: Report, work: Path, device: str, sizes: Sizes) -> None:
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
     t0 = time.perf_counter()
-    losses = supervised_warmup(model, tokenizer, PromptSet(str(data), tokenizer), steps=sizes.grpo_warmup_steps, lr=3e-3, batch_size=64, seed=0)
+    losses = supervised_warmup(
+        model, tokenizer, PromptSet(str(data), tokenizer), steps=sizes.grpo_warmup_steps, lr=3e-3, batch_size=64, seed=0
+    )
     warmed = work / "tiny-warm"
     model.save_pretrained(warmed, safe_serialization=True)
     tokenizer.save_pretrained(warmed)
@@ -585,7 +601,12 @@ def check_gpu_tests(report: Report, device: str, timeout_s: float) -> None:
         print(text[-6000:], flush=True)
     ran = "passed" in summary
     status = "PASS" if out.returncode == 0 and (ran or device != "cuda") else "FAIL"
-    report.add("tests/gpu", summary, status=status, detail="; ".join(failed[:5]) if failed else ("" if device == "cuda" else "gpu-marked: skipped without a GPU"))
+    report.add(
+        "tests/gpu",
+        summary,
+        status=status,
+        detail="; ".join(failed[:5]) if failed else ("" if device == "cuda" else "gpu-marked: skipped without a GPU"),
+    )
 
 
 # --------------------------------------------------------------------------- main
@@ -625,7 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="every check, small, on CPU (gloo, shared memory)")
     ap.add_argument("--as-gpu-machine", action="store_true", help="run with only the GPU machine's packages importable")
     ap.add_argument("--only", nargs="*", choices=["imports", "generate", "trainer", "sync", "grpo", "tests"], help="run only these checks")
-    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None, help="write the table here ($OUT)")
+    ap.add_argument(
+        "--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None, help="write the table here ($OUT)"
+    )
     ap.add_argument("--src", type=Path, default=ROOT / "src", help="the ratchet source tree to check")
     ap.add_argument("--budget-s", type=float, default=None, help="skip the checks not started by then (default: by mode)")
     ap.add_argument("--write-config-snapshot", action="store_true", help=f"rewrite {SNAPSHOT.name} from the schema (needs pydantic)")

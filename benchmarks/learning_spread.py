@@ -213,7 +213,13 @@ def case_lora_ranks(assets: Assets, seed: int) -> dict[str, float]:
     }
 
 
-CASES = {"demo": case_demo, "gpu-grpo": case_gpu_grpo, "safe-rlhf": case_safe_rlhf, "pipeline": case_pipeline, "lora-ranks": case_lora_ranks}
+CASES = {
+    "demo": case_demo,
+    "gpu-grpo": case_gpu_grpo,
+    "safe-rlhf": case_safe_rlhf,
+    "pipeline": case_pipeline,
+    "lora-ranks": case_lora_ranks,
+}
 
 
 def main() -> None:

@@ -187,7 +187,9 @@ class Simulation:
         return t.TrainOutput(policy_version=policy_version + 1, metrics=metrics, seconds=self.w.train_s, kl_coef=kl_coef)
 
     def _score(self, batch: t.BatchRef) -> t.ScoreOutput:
-        return t.ScoreOutput(reward_mean=0.4321 + 1e-4 * batch.index, reward_std=0.2468, seconds=self.w.score_s, informative_groups=batch.num_prompts)
+        return t.ScoreOutput(
+            reward_mean=0.4321 + 1e-4 * batch.index, reward_std=0.2468, seconds=self.w.score_s, informative_groups=batch.num_prompts
+        )
 
     def _synced(self, version: int) -> t.SyncOutput:
         return t.SyncOutput(policy_version=version, seconds=self.w.sync_s, megabytes=988.4)
@@ -465,7 +467,9 @@ class PerReplicaSyncSteps:
             await workflow.execute_activity("score_all", step, **opts)
             await asyncio.gather(*(workflow.execute_activity("rank_train", r, **opts) for r in range(ranks)))
             await asyncio.gather(*(workflow.execute_activity("replica_sync", r, **opts) for r in range(replicas)))
-            await workflow.execute_local_activity("record_step", t.StepRecord(t.RunRef("x", "x"), step, {}), start_to_close_timeout=timedelta(minutes=1))
+            await workflow.execute_local_activity(
+                "record_step", t.StepRecord(t.RunRef("x", "x"), step, {}), start_to_close_timeout=timedelta(minutes=1)
+            )
         return steps
 
 
@@ -654,6 +658,7 @@ def report(args, out: dict) -> None:
             f"{statistics.median(r.query_ms):.1f}" if r.query_ms else "-",
         )  # fmt: skip
     console.print(tab)
+
     # Each activity is 3 events (scheduled, started, completed), each workflow task 3, plus the
     # metrics line's marker and the search-attribute upsert: anything else would show here.
     def typical(r: ModeResult) -> str:  # the commonest step's events, activities, workflow tasks

@@ -70,7 +70,9 @@ def measure(work: Path, smoke: bool = False) -> dict[str, float]:
         metrics = work / "runs" / handle.run_id / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().strip()):
             if time.time() - t0 > FIRST_STEP_LIMIT_S:
-                raise TimeoutError(f"no step recorded {FIRST_STEP_LIMIT_S:.0f} s after the submit; the worker's log: {settings.logs_dir / 'worker.log'}")
+                raise TimeoutError(
+                    f"no step recorded {FIRST_STEP_LIMIT_S:.0f} s after the submit; the worker's log: {settings.logs_dir / 'worker.log'}"
+                )
             time.sleep(0.02)
         first = time.time()
         handle.stop()
@@ -198,7 +200,9 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="a source tree (its src/ folder) to measure first, as the 'before' column")
     ap.add_argument("--after", type=Path, help="the source tree of the second column (default: this checkout's)")
     ap.add_argument("--one", nargs=2, type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--smoke", action="store_true", help="seconds less, to show the script still runs (make test does): one warm-up step, no evaluation")
+    ap.add_argument(
+        "--smoke", action="store_true", help="seconds less, to show the script still runs (make test does): one warm-up step, no evaluation"
+    )
     args = ap.parse_args()
     if args.one:
         _one(*args.one, args.smoke)

@@ -182,7 +182,9 @@ class PlasmaPeak:
 
 def run(size_mb: float, bucket_sizes: list[float], repeats: int) -> list[dict]:
     config = llama_config(size_mb)
-    trainer = ray.remote(concurrency_groups=BenchTrainer.CONCURRENCY_GROUPS)(BenchTrainer).options(num_cpus=1).remote(config, bucket_sizes[0])
+    trainer = (
+        ray.remote(concurrency_groups=BenchTrainer.CONCURRENCY_GROUPS)(BenchTrainer).options(num_cpus=1).remote(config, bucket_sizes[0])
+    )
     engine = ray.remote(BenchEngine).options(num_cpus=1).remote(config)
     rows = []
     try:
@@ -219,7 +221,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,1000", help="model sizes in MB of float32 weights")
     parser.add_argument("--buckets", default="16,64,256", help="bucket bounds in MB (trainer.sync_bucket_mb)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="seconds, to show the script still runs (make test does): a 4 MB model in 1 MB buckets, once")
+    parser.add_argument(
+        "--smoke", action="store_true", help="seconds, to show the script still runs (make test does): a 4 MB model in 1 MB buckets, once"
+    )
     args = parser.parse_args()
     if args.smoke:
         args.sizes, args.buckets, args.repeats = "4", "1", 1
@@ -231,7 +235,17 @@ def main() -> None:
     finally:
         ray.shutdown()
     table = Table(title="weight sync trainer -> engine through Ray's object store, one node (best of %d)" % args.repeats)
-    for col in ("model MB", "bucket MB", "buckets", "seconds", "GB/s", "peak extra private RSS trainer MB", "peak extra private RSS engine MB", "peak object store MB (sampled)", "most buckets held by rank 0"):
+    for col in (
+        "model MB",
+        "bucket MB",
+        "buckets",
+        "seconds",
+        "GB/s",
+        "peak extra private RSS trainer MB",
+        "peak extra private RSS engine MB",
+        "peak object store MB (sampled)",
+        "most buckets held by rank 0",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(

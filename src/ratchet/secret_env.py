@@ -34,7 +34,9 @@ def secret_value(var: str, environ: Mapping[str, str] | None = None) -> str | No
     try:
         text = Path(path).expanduser().read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise SecretFileError(f"{var}_FILE={path}: cannot read it ({type(exc).__name__}); mount the Secret there or unset {var}_FILE") from None
+        raise SecretFileError(
+            f"{var}_FILE={path}: cannot read it ({type(exc).__name__}); mount the Secret there or unset {var}_FILE"
+        ) from None
     if not text:
         raise SecretFileError(f"{var}_FILE={path} is empty; put {var}'s value in it")
     return text

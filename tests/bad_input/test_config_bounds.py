@@ -27,7 +27,9 @@ def _models(module) -> list[type[BaseModel]]:
 
 def _upper_bound(annotation, metadata) -> float | None:
     """The field's upper bound (le / lt), also on each element of a tuple; None if any part has none."""
-    bounds = [m.le if isinstance(m, annotated_types.Le) else m.lt for m in metadata if isinstance(m, (annotated_types.Le, annotated_types.Lt))]
+    bounds = [
+        m.le if isinstance(m, annotated_types.Le) else m.lt for m in metadata if isinstance(m, (annotated_types.Le, annotated_types.Lt))
+    ]
     if bounds:
         return min(bounds)
     if typing.get_origin(annotation) is tuple:
@@ -101,7 +103,9 @@ def test_a_live_change_beyond_the_bound_is_refused(key):
     assert any(k.startswith(key) and ("must be <" in why) for k, why in issues.items()), issues
 
 
-@pytest.mark.parametrize(("key", "value", "fragment"), [("trainer.ppo_epochs", 10**9, "must be <= 100"), ("trainer.lr", 1e300, "must be <= 1")])
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"), [("trainer.ppo_epochs", 10**9, "must be <= 100"), ("trainer.lr", 1e300, "must be <= 1")]
+)
 def test_the_issue_examples_are_refused_live(key, value, fragment):
     with pytest.raises(ConfigError) as excinfo:
         check_live_changes(BASE, {}, {key: value})
@@ -109,5 +113,7 @@ def test_the_issue_examples_are_refused_live(key, value, fragment):
 
 
 def test_values_at_the_bounds_still_pass():
-    cfg = load_config(None, ["trainer.ppo_epochs=100", "trainer.lr=1.0", "rollout.n=1024", "algorithm.kl.coef=100"], base=BASE, check_files=False)
+    cfg = load_config(
+        None, ["trainer.ppo_epochs=100", "trainer.lr=1.0", "rollout.n=1024", "algorithm.kl.coef=100"], base=BASE, check_files=False
+    )
     assert (cfg.trainer.ppo_epochs, cfg.trainer.lr, cfg.rollout.n, cfg.algorithm.kl.coef) == (100, 1.0, 1024, 100)

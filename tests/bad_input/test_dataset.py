@@ -49,7 +49,9 @@ def issues_for(assets, train: Path, *extra: str, evals: Path | None = None, mode
 
 def test_good_rows_pass(assets, tmp_path) -> None:
     train = write(tmp_path, good_rows())
-    cfg = load_config(RECIPE_PATH, [f"model.path={assets.model}", f"data.train_files={train}", "data.eval_files=null", "loop.prompts_per_step=4"])
+    cfg = load_config(
+        RECIPE_PATH, [f"model.path={assets.model}", f"data.train_files={train}", "data.eval_files=null", "loop.prompts_per_step=4"]
+    )
     assert cfg.data.train_files == str(train)
 
 
@@ -96,7 +98,9 @@ def test_bad_message_in_a_prompt(assets, tmp_path) -> None:
     rows = good_rows()
     rows[9] = {**rows[9], "prompt": [{"role": "user", "content": None}]}
     (message,) = issues_for(assets, write(tmp_path, rows))["data.train_files"]
-    assert message.startswith("row 9: prompt must be a list of chat messages {role, content}, but message 0 has nothing (null) as its content")
+    assert message.startswith(
+        "row 9: prompt must be a list of chat messages {role, content}, but message 0 has nothing (null) as its content"
+    )
 
 
 def test_many_bad_rows_are_summarised(assets, tmp_path) -> None:
@@ -120,7 +124,9 @@ def test_eval_file_is_checked_too(assets, tmp_path) -> None:
     evals = write(tmp_path, [{**r, "prompt": 12} for r in good_rows(3)], "eval.parquet")
     issues = issues_for(assets, train, evals=evals)
     assert list(issues) == ["data.eval_files"]
-    assert issues["data.eval_files"][0].startswith("rows 0, 1, 2 (every row): prompt must be a list of chat messages {role, content}, got an int")
+    assert issues["data.eval_files"][0].startswith(
+        "rows 0, 1, 2 (every row): prompt must be a list of chat messages {role, content}, got an int"
+    )
 
 
 def test_not_a_parquet_file(assets, tmp_path) -> None:
@@ -178,7 +184,10 @@ def test_submit_with_bad_rows_starts_nothing(platform, tmp_path) -> None:
     overrides = platform.overrides(f"data.train_files={train}", "loop.prompts_per_step=4", "loop.steps=2")
     with pytest.raises(ConfigError) as excinfo:
         platform.client.submit(RECIPE_PATH, overrides, run_id=run_id)
-    assert ("data.train_files", "row 17: reward_model must be a mapping {ground_truth: str, style?}, got nothing (null)") in excinfo.value.issues
+    assert (
+        "data.train_files",
+        "row 17: reward_model must be a mapping {ground_truth: str, style?}, got nothing (null)",
+    ) in excinfo.value.issues
     with pytest.raises(RPCError) as missing:
         RunHandle(platform.client, run_id).status()
     assert missing.value.status == RPCStatusCode.NOT_FOUND

@@ -81,7 +81,9 @@ def test_missing_column(assets, tmp_path, fmt) -> None:
     records = [{("question" if k == "prompt" else k): v for k, v in r.items()} for r in rows(8)]
     path = write_jsonl(tmp_path / "t.jsonl", records) if fmt == "jsonl" else write_saved_dataset(tmp_path / "saved", records)
     (message,) = issues_for(assets, path)["data.train_files"]
-    assert message.startswith("missing columns 'prompt' (the prompts (data.prompt_key)); its columns: ability, data_source, extra_info, question")
+    assert message.startswith(
+        "missing columns 'prompt' (the prompts (data.prompt_key)); its columns: ability, data_source, extra_info, question"
+    )
     assert message.endswith("set data.prompt_key to the column that holds the prompts")
 
 
@@ -136,15 +138,21 @@ def test_raw_prompts_on_a_model_without_a_chat_template(assets, tmp_path) -> Non
     cfg = load_config(RECIPE_PATH, overrides(assets, path, model=model))
     assert cfg.data.prompt_format == "auto"
     records[2] = {**records[2], "prompt": "copy : " + " ".join("7" * 40) + " ="}
-    (message,) = issues_for(assets, write_jsonl(tmp_path / "long.jsonl", records), "data.max_prompt_length=32", model=model)["data.train_files"]
-    assert message.startswith("row 2: prompt is longer than data.max_prompt_length=32 tokens as raw text (data.prompt_format) (the longest has 43)")
+    (message,) = issues_for(assets, write_jsonl(tmp_path / "long.jsonl", records), "data.max_prompt_length=32", model=model)[
+        "data.train_files"
+    ]
+    assert message.startswith(
+        "row 2: prompt is longer than data.max_prompt_length=32 tokens as raw text (data.prompt_format) (the longest has 43)"
+    )
 
 
 def test_mixed_prompt_kinds_are_bad_rows(assets, tmp_path) -> None:
     records = rows(8)
     records[4] = {**records[4], "prompt": "copy : 1 2 ="}
     (message,) = issues_for(assets, write_jsonl(tmp_path / "t.jsonl", records))["data.train_files"]
-    assert message.startswith("row 4: prompt must be a list of chat messages {role, content} (the dataset's first prompt is one), got a str")
+    assert message.startswith(
+        "row 4: prompt must be a list of chat messages {role, content} (the dataset's first prompt is one), got a str"
+    )
 
 
 def test_bad_prompt_format_value(assets, tmp_path) -> None:

@@ -85,10 +85,15 @@ def test_bad_pools_are_refused_naming_the_field(pools, extra, field, fragments):
 
 
 def test_pool_names_and_roles_are_checked_by_the_schema():
-    path, message = issue_of(f"resources.pools=[{{name: a, cpus_per_node: 2, roles: {ALL}}}, {{name: a, cpus_per_node: 1, roles: [critic]}}]")
+    path, message = issue_of(
+        f"resources.pools=[{{name: a, cpus_per_node: 2, roles: {ALL}}}, {{name: a, cpus_per_node: 1, roles: [critic]}}]"
+    )
     assert path == "resources.pools" and "pool names must differ; 'a' is used more than once" in message
     path, message = issue_of("resources.pools=[{name: a, cpus_per_node: 2, roles: [trainer, actor]}]")
-    assert path == "resources.pools.0.roles.1" and "expected one of: 'trainer', 'rollout', 'reference', 'critic' or 'reward'; got 'actor'" in message
+    assert (
+        path == "resources.pools.0.roles.1"
+        and "expected one of: 'trainer', 'rollout', 'reference', 'critic' or 'reward'; got 'actor'" in message
+    )
     path, _ = issue_of("resources.pools=[{name: a, roles: [trainer]}]")
     assert path == "resources.pools.0.cpus_per_node"
     path, _ = issue_of("rollout.replicas=0")
@@ -115,7 +120,9 @@ def test_good_pools_plan_bundles_and_slots():
         cfg_of(
             "resources.pools=[{name: train, nodes: 2, cpus_per_node: 1, roles: [trainer, reference]}, "
             "{name: gen, cpus_per_node: 2, roles: [rollout, reward]}]",
-            "trainer.world_size=2", "rollout.replicas=2", "algorithm.kl.coef=0.1",
+            "trainer.world_size=2",
+            "rollout.replicas=2",
+            "algorithm.kl.coef=0.1",
         )  # fmt: skip
     )
     assert not split.colocated
@@ -126,8 +133,13 @@ def test_good_pools_plan_bundles_and_slots():
     assert split.slot("rollout", 1).pool == "gen"
 
     colocated = plan_placement(
-        cfg_of(f"resources.pools=[{{name: g, cpus_per_node: 8, gpus_per_node: 2, roles: {ALL}}}]", "trainer.world_size=2",
-               "rollout.replicas=2", "resources.trainer_cpus=1", "resources.rollout_cpus=1")  # fmt: skip
+        cfg_of(
+            f"resources.pools=[{{name: g, cpus_per_node: 8, gpus_per_node: 2, roles: {ALL}}}]",
+            "trainer.world_size=2",
+            "rollout.replicas=2",
+            "resources.trainer_cpus=1",
+            "resources.rollout_cpus=1",
+        )  # fmt: skip
     )
     (g,) = colocated.pools
     assert colocated.colocated and g.bundles == ({"CPU": 4.0, "GPU": 1.0},) * 2 and g.gpus == 2

@@ -56,8 +56,13 @@ def test_resume_refuses_a_changed_model_path_naming_the_key_and_what_may_change(
 
 def test_resume_allows_optimizer_and_schedule_changes():
     changed = check_resume_changes(
-        _config(), _config(trainer={"lr": 1e-6, "betas": [0.8, 0.9], "world_size": 2}, loop={"steps": 99}, checkpoint={"every": 1},
-                           algorithm={"kl": {"coef": 0.1}, "clip_ratio_high": 0.28})  # fmt: skip
+        _config(),
+        _config(
+            trainer={"lr": 1e-6, "betas": [0.8, 0.9], "world_size": 2},
+            loop={"steps": 99},
+            checkpoint={"every": 1},
+            algorithm={"kl": {"coef": 0.1}, "clip_ratio_high": 0.28},
+        ),  # fmt: skip
     )
     assert changed == {
         "algorithm.clip_ratio_high": (0.2, 0.28), "algorithm.kl.coef": (0.0, 0.1), "checkpoint.every": (10, 1),
@@ -85,7 +90,10 @@ def test_run_state_of_an_old_checkpoint_still_loads():
     assert state.reward_first10 == rewards[:10] and state.reward_last10 == rewards[-10:] and state.reward_count == 37
     assert state.latest_reward == rewards[-1] and state.eval_rewards == {"0": 0.1}
     (rounds,) = state.ready
-    assert [(r.batch.index, r.batch.part, r.batch.prompt_start, r.score.reward_mean) for r in rounds] == [(39, 0, 78, 0.5), (39, 1, 78, 0.5)]
+    assert [(r.batch.index, r.batch.part, r.batch.prompt_start, r.score.reward_mean) for r in rounds] == [
+        (39, 0, 78, 0.5),
+        (39, 1, 78, 0.5),
+    ]
     # A current one reads back as it was written.
     current = old | {"ready": [[{"batch": stored_batch_ref(39, part, key="index"), "score": score} for part in (0, 1)]]}
     assert read_run_state(json.dumps(current).encode()).ready == state.ready

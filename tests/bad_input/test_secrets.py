@@ -24,7 +24,9 @@ def refused(overrides: list[str] = (), *, base: dict | None = None, path=None) -
     return excinfo.value
 
 
-@pytest.mark.parametrize("variable", ["AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN", "HF_TOKEN", "WANDB_API_KEY", "DB_PASSWORD"])
+@pytest.mark.parametrize(
+    "variable", ["AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN", "HF_TOKEN", "WANDB_API_KEY", "DB_PASSWORD"]
+)
 def test_env_interpolation_of_a_credential_in_a_recipe(tmp_path, monkeypatch, variable: str) -> None:
     monkeypatch.setenv(variable, SECRET)
     recipe = tmp_path / "run.yaml"

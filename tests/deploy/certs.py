@@ -29,9 +29,7 @@ def _write(path: Path, key=None, cert=None) -> Path:
     from cryptography.hazmat.primitives import serialization
 
     if key is not None:
-        path.write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        )
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
         path.chmod(0o600)
     else:
         path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -57,9 +55,7 @@ def make_certs(folder: Path, server_name: str = "temporal.test", *, local_names:
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
-        )
+        .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )

@@ -206,9 +206,12 @@ def test_compose_files_and_scripts_exist():
             if source.startswith("."):
                 assert (COMPOSE_DIR / source).exists(), f"{name} mounts {source}, which is missing"
     for script in ("deploy/images/ratchet-node.sh", "deploy/images/setup_temporal.py"):
-        assert script in (COMPOSE_DIR / "compose.yaml").read_text() + (K8S / "ratchet-worker.yaml").read_text() + (
-            K8S / "temporal-setup-job.yaml"
-        ).read_text()
+        assert (
+            script
+            in (COMPOSE_DIR / "compose.yaml").read_text()
+            + (K8S / "ratchet-worker.yaml").read_text()
+            + (K8S / "temporal-setup-job.yaml").read_text()
+        )
         assert (REPO / script).is_file()
 
 
@@ -332,7 +335,9 @@ def _validate_core(kv, doc: dict) -> None:
 
 def test_core_manifests_pass_kubernetes_schemas(k8s_docs, kv):
     kinds = [d["kind"] for d in k8s_docs]
-    assert sorted(kinds) == sorted(["Namespace", "ServiceAccount", "ConfigMap", "RayCluster", "Deployment", "Job", "NetworkPolicy", "NetworkPolicy"])
+    assert sorted(kinds) == sorted(
+        ["Namespace", "ServiceAccount", "ConfigMap", "RayCluster", "Deployment", "Job", "NetworkPolicy", "NetworkPolicy"]
+    )
     for doc in k8s_docs + _load_yaml_docs(K8S / "secret.example.yaml"):
         if doc["kind"] != "RayCluster":
             _validate_core(kv, doc)
@@ -399,7 +404,13 @@ def _mounted_secret_files(doc: dict, container: dict) -> set[str]:
     for spec in _pod_spec(doc):
         if container in spec["containers"]:
             mounted = {m["name"] for m in container.get("volumeMounts", []) if m["mountPath"] == SECRET_DIR and m.get("readOnly")}
-            return {key for v in spec.get("volumes", []) if v["name"] in mounted for name, key, _ in _secret_items(v) if name == "ratchet-secrets"}
+            return {
+                key
+                for v in spec.get("volumes", [])
+                if v["name"] in mounted
+                for name, key, _ in _secret_items(v)
+                if name == "ratchet-secrets"
+            }
     return set()
 
 
@@ -494,7 +505,9 @@ def _selects(selector: dict, labels: dict) -> bool:
 
 def _covers(rule: dict, port: int) -> bool:
     ports = rule.get("ports")
-    return not ports or any(p.get("port") == port or (isinstance(p.get("port"), int) and p["port"] <= port <= p.get("endPort", p["port"])) for p in ports)
+    return not ports or any(
+        p.get("port") == port or (isinstance(p.get("port"), int) and p["port"] <= port <= p.get("endPort", p["port"])) for p in ports
+    )
 
 
 def _peer_is_ours(peer: dict, namespace: str) -> bool:
@@ -539,7 +552,9 @@ def test_each_service_port_has_a_network_policy_that_admits_only_ratchet(k8s_doc
             assert rule.get("from"), f"{namespace} port {port}: a rule admits everyone"
             for peer in rule["from"]:
                 assert _peer_is_ours(peer, namespace), f"{namespace} port {port}: admits {peer}"
-    deny = [p for p in policies if p["metadata"]["namespace"] == "ratchet" and p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
+    deny = [
+        p for p in policies if p["metadata"]["namespace"] == "ratchet" and p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")
+    ]
     assert deny, "namespace ratchet has no default-deny policy"
     # What the check refuses: any address, every namespace, every pod of namespace ratchet.
     for peer in ({"ipBlock": {"cidr": "0.0.0.0/0"}}, {"namespaceSelector": {}}, {"podSelector": {}}):

@@ -44,9 +44,7 @@ async def test_setup_registers_the_namespace_and_attributes_once():
         desc = await env.client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace=NAMESPACE))
         assert desc.config.workflow_execution_retention_ttl.ToSeconds() == 3 * 86400
         have = await env.client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=NAMESPACE))
-        assert {k.name: int(k.indexed_value_type) for k in sa.ALL_KEYS} == {
-            k.name: have.custom_attributes[k.name] for k in sa.ALL_KEYS
-        }
+        assert {k.name: int(k.indexed_value_type) for k in sa.ALL_KEYS} == {k.name: have.custom_attributes[k.name] for k in sa.ALL_KEYS}
 
         code, out = await _run_script(address)
         assert code == 0, out

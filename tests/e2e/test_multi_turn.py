@@ -67,7 +67,8 @@ def write_tools(tmp_path: Path) -> Path:
     gate = tmp_path / "gate"
     gate.mkdir()
     config = tmp_path / "tools.yaml"
-    config.write_text(textwrap.dedent(f"""
+    config.write_text(
+        textwrap.dedent(f"""
         tools:
           - class_name: {tmp_path}/gate_tool.py:GateCalculator
             config: {{type: native, gate_dir: {gate}, timeout_s: 300}}
@@ -76,7 +77,8 @@ def write_tools(tmp_path: Path) -> Path:
               function:
                 name: add
                 parameters: {{type: object, properties: {{expression: {{type: string}}}}, required: [expression]}}
-    """))
+    """)
+    )
     return config
 
 

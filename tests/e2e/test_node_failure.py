@@ -109,8 +109,15 @@ class Cluster:
         self.state = Path(tempfile.mkdtemp(dir="/tmp", prefix="rt-nodes-"))
         t, ui, r = free_ports(3)
         self.settings = ServiceSettings(
-            state_dir=self.state, temporal_port=t, temporal_ui_port=ui, ray_port=r, start_timeout_s=300.0, nodes=COMPUTE_NODES, node_cpus=2.0,
-            node_workers=False, worker_nodes=WORKER_NODES,
+            state_dir=self.state,
+            temporal_port=t,
+            temporal_ui_port=ui,
+            ray_port=r,
+            start_timeout_s=300.0,
+            nodes=COMPUTE_NODES,
+            node_cpus=2.0,
+            node_workers=False,
+            worker_nodes=WORKER_NODES,
         )
         up(self.settings)
         self.client = Client.connect(temporal_address(self.settings))

@@ -85,7 +85,9 @@ def _kill_chunk_of_stage_1(platform, handle: PipelineHandle, timeout_s: float = 
 def _chunk_attempts(platform, workflow_id: str) -> list[int]:
     """The attempt that completed, of each `supervised_chunk` activity of a stage's history."""
     history = platform.client._run(platform.client._temporal.get_workflow_handle(workflow_id).fetch_history())
-    return [e.activity_task_started_event_attributes.attempt for e in history.events if e.HasField("activity_task_started_event_attributes")]
+    return [
+        e.activity_task_started_event_attributes.attempt for e in history.events if e.HasField("activity_task_started_event_attributes")
+    ]
 
 
 def test_sft_dpo_grpo_pipeline(platform, tmp_path):

@@ -131,7 +131,8 @@ def max_running(p: ChaosPlatform, workflow_id: str) -> int:
             running += 1
             peak = max(peak, running)
         elif any(
-            e.HasField(f"child_workflow_execution_{end}_event_attributes") for end in ("completed", "failed", "canceled", "terminated", "timed_out")
+            e.HasField(f"child_workflow_execution_{end}_event_attributes")
+            for end in ("completed", "failed", "canceled", "terminated", "timed_out")
         ):
             running -= 1
     return peak

@@ -76,8 +76,17 @@ class StandIns:
             "warmup": lambda i: t.WarmupOutput(policy_uri="initial", loss_first=0.0, loss_last=0.0, seconds=0.0),
             "start_workers": lambda i: t.StartWorkersOutput(policy_version=i.restore_version or 0, num_parameters=0, seconds=0.0),
             "generate": lambda i: t.BatchRef(
-                i.run.run_id, i.batch_index, "batch", i.prompt_count, 2 * i.prompt_count, 8, i.policy_version,
-                part=i.part, prompt_start=i.prompt_start, generate_seconds=0.01, response_length_mean=4.0,
+                i.run.run_id,
+                i.batch_index,
+                "batch",
+                i.prompt_count,
+                2 * i.prompt_count,
+                8,
+                i.policy_version,
+                part=i.part,
+                prompt_start=i.prompt_start,
+                generate_seconds=0.01,
+                response_length_mean=4.0,
             ),  # fmt: skip
             "score": lambda i: t.ScoreOutput(
                 reward_mean=0.1 * i.batch.index, reward_std=0.0, seconds=0.0, informative_groups=i.batch.num_prompts

@@ -350,7 +350,9 @@ def test_a_short_weight_stream_is_neither_served_nor_logged_and_leaves_no_temp(t
     monkeypatch.setattr(worker.run, "put_file", lambda key, path: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
     whole = mapping_manifest(weights, 3)
     with pytest.raises(OSError, match="No space left"):
-        worker.load_weights(BucketListSource(whole, [WeightBucket(index=0, specs=whole.specs, arrays=[weights[s.name] for s in whole.specs])]))
+        worker.load_weights(
+            BucketListSource(whole, [WeightBucket(index=0, specs=whole.specs, arrays=[weights[s.name] for s in whole.specs])])
+        )
     assert worker.version == TORN_VERSION and not list(scratch.iterdir())
 
     monkeypatch.undo()

@@ -68,7 +68,9 @@ def test_history_per_step_is_independent_of_replicas_and_ranks_and_segments_stay
             # producer finished the batch in flight: a longer run of each, without sleeps.
             for mode in ("sync", "fully_async"):
                 chain = replace(scale.Workload(64, 16), step_seconds=0.0)
-                out[mode, "chain"] = await scale.run_mode(env.client, mode, chain, CHAIN_STEPS, run_id=f"{mode}-chain", search_attributes=True)
+                out[mode, "chain"] = await scale.run_mode(
+                    env.client, mode, chain, CHAIN_STEPS, run_id=f"{mode}-chain", search_attributes=True
+                )
         finally:
             await env.shutdown()
         return out

@@ -70,9 +70,7 @@ def test_attributes_summaries_and_details_as_the_run_goes():
     name the step and reward, and the upserts replay."""
 
     async def go():
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=str(TEMPORAL), ui=False, search_attributes=list(sa.ALL_KEYS)
-        )
+        env = await WorkflowEnvironment.start_local(dev_server_existing_path=str(TEMPORAL), ui=False, search_attributes=list(sa.ALL_KEYS))
         try:
             client = env.client
             cfg = {**CONFIG, "loop": {"mode": "one_step_off", "steps": 4}}
@@ -98,7 +96,9 @@ def test_attributes_summaries_and_details_as_the_run_goes():
                 h = await client.start_workflow("TrainingWorkflow", broken, id="broken", task_queue="sa-broken")
                 with pytest.raises(WorkflowFailureError):
                     await asyncio.wait_for(h.result(), 60)
-                desc.failed = {p.key.name: p.value for p in (await h.describe()).typed_search_attributes if p.key.name.startswith("ratchet_")}
+                desc.failed = {
+                    p.key.name: p.value for p in (await h.describe()).typed_search_attributes if p.key.name.startswith("ratchet_")
+                }
             return desc, details, history, found
         finally:
             await env.shutdown()
@@ -118,7 +118,12 @@ def test_attributes_summaries_and_details_as_the_run_goes():
 
     events = history.events
     upserts = [e for e in events if e.HasField("upsert_workflow_search_attributes_event_attributes")]
-    shown = [sorted((k, v.data.decode()) for k, v in e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields.items()) for e in upserts]
+    shown = [
+        sorted(
+            (k, v.data.decode()) for k, v in e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields.items()
+        )
+        for e in upserts
+    ]
     ours = [u for u in shown if any(k.startswith("ratchet_") for k, _ in u)]
     assert len(ours) == 4 + 1, shown  # one per step, one at completion (the patch marker's own is Temporal's)
     assert [dict(u)["ratchet_step"] for u in ours] == ["1", "2", "3", "4", "4"], ours

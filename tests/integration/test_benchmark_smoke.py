@@ -28,7 +28,13 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # script -> what its smoke run must print (its table's title and rows).
 SMOKE = {
     "async_speedup": ["orchestration alone", "sync", "one_step_off", "fully_async"],
-    "checkpoint": ["checkpoint throughput", "raw minio fput/fget_object", "ratchet local folder", "ratchet s3:// (s3fs)", "ratchet minio://"],
+    "checkpoint": [
+        "checkpoint throughput",
+        "raw minio fput/fget_object",
+        "ratchet local folder",
+        "ratchet s3:// (s3fs)",
+        "ratchet minio://",
+    ],
     "engines": ["generation tokens/s", "tiny", "hf"],
     "learning_spread": ["lora-ranks: seeds 0", "adapter diff", "merged diff"],
     "startup": ["start-up: submit to the first step", "start_workers", "total: submit to the first metrics line"],
@@ -50,7 +56,9 @@ RUN_BY = {
 def test_every_benchmark_is_run_by_the_suite():
     """A new script under benchmarks/ gets a smoke mode here or a test that runs it."""
     scripts = {p.stem for p in BENCHMARKS.glob("*.py")}
-    assert scripts == set(SMOKE) | set(RUN_BY), f"not run by the suite: {sorted(scripts - set(SMOKE) - set(RUN_BY))}; gone: {sorted((set(SMOKE) | set(RUN_BY)) - scripts)}"
+    assert scripts == set(SMOKE) | set(RUN_BY), (
+        f"not run by the suite: {sorted(scripts - set(SMOKE) - set(RUN_BY))}; gone: {sorted((set(SMOKE) | set(RUN_BY)) - scripts)}"
+    )
     root = BENCHMARKS.parent
     for script, test in RUN_BY.items():
         assert script in (root / test).read_text(), f"{test} does not run benchmarks/{script}.py"
@@ -62,9 +70,7 @@ def test_every_benchmark_is_run_by_the_suite():
 OWN_SERVICES = {"engines", "learning_spread", "startup", "step_overhead", "weight_sync"}
 
 
-@pytest.mark.parametrize(
-    "script", [pytest.param(s, marks=pytest.mark.benchmark_smoke) if s in OWN_SERVICES else s for s in sorted(SMOKE)]
-)
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.benchmark_smoke) if s in OWN_SERVICES else s for s in sorted(SMOKE)])
 def test_smoke(script, tmp_path):
     # As from a user's shell: none of the suite's own settings (its Ray, its state folder,
     # its payload key: with the key named, a benchmark's client and worker agreed by luck).

@@ -183,7 +183,11 @@ def test_no_worker_and_missing_runs(bare_temporal, assets, tmp_path):
         (["progress", run_id], 1, f"run {run_id} was terminated: no live progress to show {go_on}"),
         (["pause", "no-such-run"], 2, missing),
         (["progress", "no-such-run"], 2, missing),
-        (["schedule", "delete", "no-such-schedule"], 2, f"no schedule 'no-such-schedule' on the Temporal server at {address}: see `ratchet schedule list`"),
+        (
+            ["schedule", "delete", "no-such-schedule"],
+            2,
+            f"no schedule 'no-such-schedule' on the Temporal server at {address}: see `ratchet schedule list`",
+        ),
     ]
     for (args, code, line), out in zip(expected, many([args for args, _, _ in expected], env)):
         assert (out.returncode, one_line(out)) == (code, line), args

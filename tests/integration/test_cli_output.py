@@ -85,7 +85,9 @@ def test_schema_section_shows_only_its_keys():
     headed = [line for line in out.stdout.splitlines() if line in schema_keys()]  # each key heads its lines
     assert headed == trainer and len(trainer) >= 10
     nested = run_cli("schema", "rollout.vllm")
-    assert [line for line in nested.stdout.splitlines() if line in schema_keys()] == [k for k in schema_keys() if k.startswith("rollout.vllm.")]
+    assert [line for line in nested.stdout.splitlines() if line in schema_keys()] == [
+        k for k in schema_keys() if k.startswith("rollout.vllm.")
+    ]
 
 
 def test_schema_unknown_section_names_the_sections():
@@ -147,7 +149,9 @@ def test_status_without_services_says_so(tmp_path):
     assert lines[0] == f"services (state folder {tmp_path}, namespace default)"
     assert f"  temporal     not running  127.0.0.1:{t}  start it with `ratchet up`" in lines
     assert f"  Temporal UI  not running  http://127.0.0.1:{ui}" in lines
-    assert lines[-1] == f"runs in flight: unknown: Temporal does not answer at 127.0.0.1:{t} (connection refused): start it with `ratchet up`"
+    assert (
+        lines[-1] == f"runs in flight: unknown: Temporal does not answer at 127.0.0.1:{t} (connection refused): start it with `ratchet up`"
+    )
     data = json.loads(run_cli("status", "--json", "--state-dir", str(tmp_path), env=ports).stdout)
     assert data["temporal_address"] == f"127.0.0.1:{t}" and data["temporal"]["running"] is False
     assert data["runs_in_flight"] is None and "connection refused" in data["runs_unknown"] and "started" not in data

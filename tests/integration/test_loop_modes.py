@@ -129,7 +129,14 @@ async def test_one_step_off_generates_the_next_batch_while_the_step_trains(clien
 )
 async def test_fully_async_respects_staleness_and_queue(client, max_staleness, queue_limit, sync_every, partial):
     steps = 5
-    p = plan(mode="fully_async", steps=steps, max_staleness=max_staleness, queue_limit=queue_limit, sync_every=sync_every, partial_rollout=partial)
+    p = plan(
+        mode="fully_async",
+        steps=steps,
+        max_staleness=max_staleness,
+        queue_limit=queue_limit,
+        sync_every=sync_every,
+        partial_rollout=partial,
+    )
     standins = StandIns(delay={"train": 0.2})
     run_id = f"fa-{max_staleness}-{queue_limit}-{sync_every}-{int(partial)}"
     summary = await run_on(client, standins, training_input(run_id, p))
@@ -199,7 +206,12 @@ async def test_dynamic_sampling_rolls_out_more_rounds_until_enough_signal(client
         (3, 0, 14), (3, 1, 16), (3, 2, 18),
     ]  # fmt: skip
     # The trainer gets the first round's reference and the number of rounds.
-    assert [(i.batch.index, i.batch.prompt_start, i.parts) for i in standins.args("train")] == [(0, 0, 2), (1, 4, 3), (2, 10, 2), (3, 14, 3)]
+    assert [(i.batch.index, i.batch.prompt_start, i.parts) for i in standins.args("train")] == [
+        (0, 0, 2),
+        (1, 4, 3),
+        (2, 10, 2),
+        (3, 14, 3),
+    ]
     records = standins.args("record_step")
     assert [r.metrics["rollout_rounds"] for r in records] == [2.0, 3.0, 2.0, 3.0]
     assert [r.metrics["reward_mean"] for r in records] == pytest.approx([0.0, 0.1, 0.2, 0.3])

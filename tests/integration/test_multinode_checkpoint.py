@@ -102,7 +102,12 @@ def test_checkpoint_from_several_writers_is_sealed_once_all_uploaded(tmp_path):
     with pytest.raises(FileNotFoundError, match="files not uploaded: trainer/shard-3.safetensors"):
         ckpts.seal("step-00000003", {**uploads[0], **uploads[1], "trainer/shard-3.safetensors": FileEntry(1, "0" * 64)}, {"step": 3})
     info = ckpts.seal("step-00000003", {**uploads[0], **uploads[1]}, {"step": 3})
-    assert sorted(info.files) == ["run_state.json", "trainer/shard-1.safetensors", "trainer/shard-2.safetensors", "trainer/trainer_meta.json"]
+    assert sorted(info.files) == [
+        "run_state.json",
+        "trainer/shard-1.safetensors",
+        "trainer/shard-2.safetensors",
+        "trainer/trainer_meta.json",
+    ]
     assert info.files["trainer/shard-2.safetensors"]["size"] == 150 and info.total_bytes == 400 + 2 + 16 + 150
     assert ckpts.verify("step-00000003")
 
@@ -170,8 +175,12 @@ def start_ranks(ray, actors, model: str, env_by_rank: list[dict]) -> list:
         env["env_vars"] = {**env["env_vars"], **extra}
         ranks.append(
             cls.options(
-                name=actors.name(Role.TRAINER, rank), namespace=NAMESPACE, lifetime="detached", max_concurrency=1,
-                num_cpus=actors.cfg.resources.trainer_cpus, runtime_env=env,
+                name=actors.name(Role.TRAINER, rank),
+                namespace=NAMESPACE,
+                lifetime="detached",
+                max_concurrency=1,
+                num_cpus=actors.cfg.resources.trainer_cpus,
+                runtime_env=env,
             ).remote(actors.cfg, model, actors.run_uri, rank, 2)  # fmt: skip
         )
     host, port = ray.get(ranks[0].rendezvous_address.remote())

@@ -49,9 +49,7 @@ def open_uploads(env) -> list:
     """Multipart uploads still open in the test bucket (an aborted one is gone)."""
     import s3fs
 
-    fs = s3fs.S3FileSystem(
-        key=ACCESS_KEY, secret=SECRET_KEY, client_kwargs={"endpoint_url": env.server.endpoint}, skip_instance_cache=True
-    )
+    fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, client_kwargs={"endpoint_url": env.server.endpoint}, skip_instance_cache=True)
     return fs.call_s3("list_multipart_uploads", Bucket=env.bucket).get("Uploads", [])
 
 

@@ -192,7 +192,12 @@ def test_pool_is_a_placement_group_holding_the_actors_and_released_with_them(pla
     assert run_pool_groups("pool-pg") == {}
 
     total = ray_driver.cluster_resources()["CPU"]
-    big = run_actors(platform, tmp_path, "pool-big", f"resources.pools=[{{name: big, nodes: 1, cpus_per_node: {total + 1:g}, roles: [trainer, rollout, reward, reference]}}]")
+    big = run_actors(
+        platform,
+        tmp_path,
+        "pool-big",
+        f"resources.pools=[{{name: big, nodes: 1, cpus_per_node: {total + 1:g}, roles: [trainer, rollout, reward, reference]}}]",
+    )
     with pytest.raises(ResourcesUnavailable) as info:
         big.check_resources(settle_s=0.0)
     assert f"pool 'big' (resources.pools.0) needs {total + 1:g} CPUs but the cluster has {total:g}" in str(info.value)

@@ -23,7 +23,6 @@ from ratchet.platform.services import PORT_ENV, ServiceError, ServiceSettings, p
 from ratchet.platform.services import free_ports
 
 
-
 def _settings(state_dir: str) -> ServiceSettings:
     t, ui, r = free_ports(3)
     return ServiceSettings(
@@ -225,9 +224,7 @@ def test_up_restarts_only_a_dead_service(running):
     pid = svc.status(settings).temporal.pid
     os.kill(pid, signal.SIGKILL)  # our own Temporal, as recorded
     deadline = time.monotonic() + 10
-    while (_alive(pid) or _accepts("127.0.0.1", settings.temporal_port)) and (
-        time.monotonic() < deadline
-    ):
+    while (_alive(pid) or _accepts("127.0.0.1", settings.temporal_port)) and (time.monotonic() < deadline):
         processes.reap(pid)
         time.sleep(0.05)
     assert not svc.status(settings).temporal.running

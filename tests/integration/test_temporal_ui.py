@@ -124,7 +124,9 @@ def test_a_query_the_server_refuses_names_the_attributes(platform):
 def test_live_current_details_while_paused(ui_run):
     """What the UI's User Metadata tab shows of an open run: the phase, the step, the policy
     version and the latest reward."""
-    assert re.fullmatch(rf"\*\*paused\*\* · step (\d)/{STEPS} · policy v\1 · reward \d\.\d{{3}}( · eval reward \d\.\d{{3}})?", ui_run["live"]), ui_run["live"]
+    assert re.fullmatch(
+        rf"\*\*paused\*\* · step (\d)/{STEPS} · policy v\1 · reward \d\.\d{{3}}( · eval reward \d\.\d{{3}})?", ui_run["live"]
+    ), ui_run["live"]
 
 
 def metadata_shown(dom: str, part: str) -> str:
@@ -145,7 +147,9 @@ def test_ui_shows_summary_and_details(ui_run):
     assert details.startswith(f"**ratchet run** `{ui_run['handle'].run_id}`")
     assert "- learning rate: `0.001`" in details and "- samples per prompt: `4`" in details
     current = metadata_shown(dom, "current-details")
-    assert re.fullmatch(rf"\*\*completed\*\* · step {STEPS}/{STEPS} · policy v{STEPS} · reward \d\.\d{{3}} · eval reward \d\.\d{{3}}", current), current
+    assert re.fullmatch(
+        rf"\*\*completed\*\* · step {STEPS}/{STEPS} · policy v{STEPS} · reward \d\.\d{{3}} · eval reward \d\.\d{{3}}", current
+    ), current
     assert png.stat().st_size > 20_000
 
 
@@ -213,7 +217,9 @@ def test_up_runs_the_uis_codec_server(platform):
     assert rec["cmd"][rec["cmd"].index("--ui-codec-endpoint") + 1] == url(codec) == rec["ui_codec_endpoint"]
     shown = status(platform.settings).codec_server
     assert shown is not None and shown.running and shown.address == url(codec)
-    req = urllib.request.Request(url(codec) + "/encode", data=b'{"payloads": []}', method="POST", headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url(codec) + "/encode", data=b'{"payloads": []}', method="POST", headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=30)
     assert err.value.code == 403

@@ -102,7 +102,9 @@ def test_progress_of_an_unknown_run_makes_its_row(reg):
 
 
 def test_filters_sort_and_limit(reg):
-    for i, (exp, reward, status) in enumerate([("a", 0.2, "completed"), ("b", 0.9, "failed"), ("a", 0.5, "running"), ("a", None, "running")]):
+    for i, (exp, reward, status) in enumerate(
+        [("a", 0.2, "completed"), ("b", 0.9, "failed"), ("a", 0.5, "running"), ("a", None, "running")]
+    ):
         reg.record_run(RunRecord(run_id=f"run-{i}", experiment=exp))
         if reward is not None:
             reg.record_progress(f"run-{i}", i, reward)

@@ -178,7 +178,9 @@ def test_a_start_without_the_key_is_refused_and_its_reward_never_imported(tmp_pa
                 refused = err.value.cause
                 calls_after_refusal = list(standins.calls)
                 marker_after_refusal = marker.exists()
-                own = await keyed.start_workflow("TrainingWorkflow", training("mine"), id="mine", task_queue="codec", result_type=t.RunSummary)
+                own = await keyed.start_workflow(
+                    "TrainingWorkflow", training("mine"), id="mine", task_queue="codec", result_type=t.RunSummary
+                )
                 summary = await asyncio.wait_for(own.result(), 60)
                 raw = await env.client.get_workflow_handle("mine").fetch_history()
             return refused, calls_after_refusal, marker_after_refusal, summary, raw
@@ -436,7 +438,9 @@ def test_a_sweep_ignores_a_cancel_without_the_key_and_signals_its_trials_with_co
             trial = keyed.get_workflow_handle(f"{sweep_id}-t0")
 
             async def stop_reached():  # the sweep's `stop` is in the trial's history
-                while not any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED for e in (await trial.fetch_history()).events):
+                while not any(
+                    e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED for e in (await trial.fetch_history()).events
+                ):
                     await asyncio.sleep(0.05)
 
             await asyncio.wait_for(stop_reached(), 60)

@@ -230,7 +230,13 @@ def test_every_ray_listener_refuses_a_request_without_the_token(head):
             continue  # the process closed the port meanwhile (nothing left to probe)
         else:
             pytest.fail(f"{proc.name()} ({cmd[:200]}) listens on {ip}:{port}: {what} {codes}; find out what it is")
-    needed = {"ray.rpc.NodeInfoGcsService", "ray.rpc.NodeManagerService", "ray.rpc.ObjectManagerService", "ray.rpc.CoreWorkerService", "runtime env agent (http)"}
+    needed = {
+        "ray.rpc.NodeInfoGcsService",
+        "ray.rpc.NodeManagerService",
+        "ray.rpc.ObjectManagerService",
+        "ray.rpc.CoreWorkerService",
+        "runtime env agent (http)",
+    }
     assert needed <= found.keys(), found
     assert found["ray.rpc.NodeInfoGcsService"].endswith(f":{settings.ray_port}")
     rec = _ray_record(settings)

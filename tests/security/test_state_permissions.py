@@ -88,9 +88,7 @@ def test_services_start_with_a_private_log_and_umask(state):
     with locked(state):
         pass
     made = state.state_dir / "made"
-    proc = processes.spawn_logged(
-        ["sh", "-c", f"echo hi > {made}.txt && mkdir {made}"], state.logs_dir / "x.log", state.state_dir, "now"
-    )
+    proc = processes.spawn_logged(["sh", "-c", f"echo hi > {made}.txt && mkdir {made}"], state.logs_dir / "x.log", state.state_dir, "now")
     assert proc.wait(timeout=30) == 0
     assert stat.S_IMODE(os.stat(f"{made}.txt").st_mode) == 0o600
     assert stat.S_IMODE(os.stat(made).st_mode) == 0o700

@@ -68,7 +68,14 @@ def make_run(tmp_path: Path, run_id: str = "copy-20261201-000000-abcd", **tracki
         "seed": 0,
         "trainer": {"lr": 1e-5, "betas": [0.9, 0.999]},
         "algorithm": {"adv_estimator": "grpo"},
-        "tracking": {"name": "copy", "tags": ["smoke"], "experiment": "tracking-tests", "mlflow": True, "wandb": {"enabled": False}, **tracking},
+        "tracking": {
+            "name": "copy",
+            "tags": ["smoke"],
+            "experiment": "tracking-tests",
+            "mlflow": True,
+            "wandb": {"enabled": False},
+            **tracking,
+        },
     }
     store.put_json(RunLayout.CONFIG, config)
     return Run(t.RunRef(run_id, store.url), store, config)

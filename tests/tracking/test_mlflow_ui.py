@@ -48,7 +48,10 @@ def test_a_real_run_in_mlflow_and_its_ui(platform):
         pytest.skip("Chromium is not installed (Debian package chromium)")
     experiment = "mlflow-ui-test"
     handle = platform.client.submit(
-        RECIPE_PATH, platform.overrides(f"loop.steps={STEPS}", *FAST, "tracking.mlflow=true", "tracking.name=mlflow-ui", f"tracking.experiment={experiment}")
+        RECIPE_PATH,
+        platform.overrides(
+            f"loop.steps={STEPS}", *FAST, "tracking.mlflow=true", "tracking.name=mlflow-ui", f"tracking.experiment={experiment}"
+        ),
     )
     summary = handle.result(timeout=600)
     lines = [json.loads(x) for x in (Path(summary.run_uri) / "metrics.jsonl").read_text().splitlines()]

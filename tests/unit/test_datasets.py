@@ -137,7 +137,10 @@ def test_jsonl_bad_lines_are_rows_named_by_number(tmp_path, tokenizer):
     [
         (lambda p: (p / "d.csv").write_text("prompt\n") and p / "d.csv", "unknown dataset format '.csv'"),
         (lambda p: p, "folder without state.json"),
-        (lambda p: (p / "dataset_dict.json").write_text('{"splits": ["train", "test"]}') and p, "a DatasetDict (splits: train, test); point at one split's folder"),
+        (
+            lambda p: (p / "dataset_dict.json").write_text('{"splits": ["train", "test"]}') and p,
+            "a DatasetDict (splits: train, test); point at one split's folder",
+        ),
         (lambda p: write_parquet(p / "a.parquet", rows(2)) and p, "a folder of parquet files; point at one file"),
         (lambda p: p / "missing.parquet", "not found"),
     ],

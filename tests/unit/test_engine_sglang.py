@@ -123,7 +123,10 @@ def test_one_seeded_request_per_sample(engine):
     assert [g.token_ids for g in alone[0]] == [g.token_ids for g in out[1]]
     # Without prompt seeds: from the call's seed and the prompt's position.
     engine.generate(prompts[:1], SamplingParams(n=2, seed=5))
-    assert [sp["sampling_seed"] for sp in engine.engine.generate_calls[-1]["sampling_params"]] == [request_seed(5, 0, 0), request_seed(5, 0, 1)]
+    assert [sp["sampling_seed"] for sp in engine.engine.generate_calls[-1]["sampling_params"]] == [
+        request_seed(5, 0, 0),
+        request_seed(5, 0, 1),
+    ]
 
 
 def test_outputs_become_generations(engine):
@@ -227,6 +230,7 @@ def test_without_sglang_or_cuda_the_error_names_the_fix(tiny_model):
 
 
 # --------------------------------------------------------------------------- real SGLang (GPU)
+
 
 @pytest.fixture(scope="module")
 def real_engine(tiny_model):

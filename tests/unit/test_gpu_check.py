@@ -50,7 +50,9 @@ def test_the_emulated_machine_has_its_packages_and_none_of_the_others(machine_si
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['torch', 'transformers']"
     # ratchet is the source tree's, not the installed package
-    out = gpu_machine.run_as_gpu_machine(["-c", "import ratchet; print(ratchet.__file__)"], machine_site, capture_output=True, text=True, timeout=60)
+    out = gpu_machine.run_as_gpu_machine(
+        ["-c", "import ratchet; print(ratchet.__file__)"], machine_site, capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.strip() == str(ROOT / "src" / "ratchet" / "__init__.py")
 
 
@@ -88,7 +90,11 @@ def test_a_module_that_needs_a_package_the_machine_lacks_fails_the_check(tmp_pat
     src = tmp_path / "src"
     shutil.copytree(ROOT / "src" / "ratchet", src / "ratchet", ignore=shutil.ignore_patterns("__pycache__"))
     module = src / "ratchet" / "workers" / "weight_sync" / "colocated_process.py"
-    module.write_text(module.read_text().replace("from __future__ import annotations\n", "from __future__ import annotations\n\nimport tenacity  # noqa: F401\n", 1))
+    module.write_text(
+        module.read_text().replace(
+            "from __future__ import annotations\n", "from __future__ import annotations\n\nimport tenacity  # noqa: F401\n", 1
+        )
+    )
     out = run("--cpu-smoke", "--as-gpu-machine", "--only", "imports", "--src", str(src), timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 1, text[-3000:]

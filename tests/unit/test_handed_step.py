@@ -70,7 +70,11 @@ def test_stored_handed_step_reads_back_to_the_tensors_trained_on(tmp_path):
     assert (summary.num_samples, summary.generate_seconds, summary.policy_version) == (16, 0.5, 0)
     assert summary.num_response_tokens == int(trained_on.batch.response_mask.sum())
     again = HandedStep.load(store, 7).summary()  # what a retry that kept nothing reports
-    assert (again.num_samples, again.num_response_tokens, again.score.reward_mean) == (16, summary.num_response_tokens, summary.score.reward_mean)
+    assert (again.num_samples, again.num_response_tokens, again.score.reward_mean) == (
+        16,
+        summary.num_response_tokens,
+        summary.score.reward_mean,
+    )
 
 
 def test_retried_train_handed_updates_once_and_stores_the_batch_it_used(tiny_model, tmp_path):

@@ -136,7 +136,11 @@ def test_the_workflow_applies_a_change_at_the_next_boundary_and_marks_that_step(
     state = RunState(run=RunRef("r", "/tmp/r"), next_step=3, kl_coef=0.01)
     live.step_running = True  # step 3 is training: a change now applies from step 4
     change = live.accept("r", state, live.check(state, {"trainer.lr": "2e-5", "algorithm.kl.coef": 0.05}, closing=None))
-    assert (change.from_step, change.values, change.previous) == (4, {"trainer.lr": 2e-5, "algorithm.kl.coef": 0.05}, {"trainer.lr": 1e-4, "algorithm.kl.coef": 0.01})
+    assert (change.from_step, change.values, change.previous) == (
+        4,
+        {"trainer.lr": 2e-5, "algorithm.kl.coef": 0.05},
+        {"trainer.lr": 1e-4, "algorithm.kl.coef": 0.01},
+    )
     assert state.live.values == {} and step_metrics(state, 3) == {}  # step 3 keeps its values
     state.next_step = 4
     live.apply(state)

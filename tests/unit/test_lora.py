@@ -252,9 +252,13 @@ def test_config_section_and_refusals(tiny_model):
     with pytest.raises(ValueError, match="trainer.lora.rank > 0"):
         make_cfg(tiny_model, rank=0, quantize="4bit")
     with pytest.raises(ValueError, match="needs CUDA"):
-        RunConfig.model_validate({**make_cfg(tiny_model).model_dump(), "trainer": {"device": "cpu", "lora": {"rank": 4, "quantize": "4bit"}}})
+        RunConfig.model_validate(
+            {**make_cfg(tiny_model).model_dump(), "trainer": {"device": "cpu", "lora": {"rank": 4, "quantize": "4bit"}}}
+        )
     with pytest.raises(ValueError, match="one trainer rank"):
-        RunConfig.model_validate({**make_cfg(tiny_model).model_dump(), "trainer": {"world_size": 2, "lora": {"rank": 4, "quantize": "4bit"}}})
+        RunConfig.model_validate(
+            {**make_cfg(tiny_model).model_dump(), "trainer": {"world_size": 2, "lora": {"rank": 4, "quantize": "4bit"}}}
+        )
     with pytest.raises(ValueError, match="target_modules is empty"):
         make_cfg(tiny_model, target_modules=[])
     with pytest.raises(ValueError, match="linear layers are named"):

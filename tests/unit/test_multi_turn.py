@@ -113,7 +113,9 @@ def test_conversations_are_seeded_per_prompt(engine, tool_prompts):
     params = SamplingParams(n=2, max_new_tokens=24, seed=3)
 
     def run(indices, first=0):
-        return generate_batch(engine, tool_prompts, indices, params, policy_version=0, pad_id=engine.pad_id, first_position=first, multi_turn=driver)
+        return generate_batch(
+            engine, tool_prompts, indices, params, policy_version=0, pad_id=engine.pad_id, first_position=first, multi_turn=driver
+        )
 
     whole = run([0, 1, 2, 3])
     again = run([0, 1, 2, 3])
@@ -353,7 +355,7 @@ def test_a_tool_that_does_not_build_is_refused_at_submit(tiny_model, tmp_path):
     tools.write_text(f"tools:\n  - class_name: {tmp_path}/broken.py:Tool\n  - class_name: calculator\n    config: {{max_digitz: 3}}\n")
     with pytest.raises(ConfigError) as err:
         load_config(EXAMPLE, [f"model.path={tiny_model}", f"rollout.multi_turn.tools_config={tools}"])
-    (field, message), = [i for i in err.value.issues if i[0].startswith("rollout.multi_turn")]
+    ((field, message),) = [i for i in err.value.issues if i[0].startswith("rollout.multi_turn")]
     assert field == "rollout.multi_turn.tools[0].class_name"
     assert message.startswith(f"cannot import '{tmp_path}/broken.py': ImportError: needs a package that is not installed")
     # A relative file path is made absolute: the workers run in other folders.

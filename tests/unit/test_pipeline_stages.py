@@ -90,7 +90,9 @@ def test_conversation_mask_covers_assistant_turns_only(tiny_model):
     # Each answer's digits and its <eos>; the prompts, '=' and <bos> are not trained (a mask with a hole).
     assert tok.convert_ids_to_tokens(trained) == ["1", "2", "<eos>", "3", "<eos>"]
     assert enc.loss_mask[0] == 0 and 0 in enc.loss_mask[enc.loss_mask.index(1) + 3 :]
-    chosen, rejected = encode_pair(tok, PreferencePair(msgs[:1], [{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": "21"}]))
+    chosen, rejected = encode_pair(
+        tok, PreferencePair(msgs[:1], [{"role": "assistant", "content": "12"}], [{"role": "assistant", "content": "21"}])
+    )
     assert chosen.input_ids[: len(chosen.input_ids) - 3] == rejected.input_ids[: len(rejected.input_ids) - 3]
     assert sum(chosen.loss_mask) == sum(rejected.loss_mask) == 3
 
@@ -106,7 +108,10 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_model):
 
 
 def test_bad_rows_name_file_row_and_column(tmp_path):
-    p = write_rows(tmp_path / "p.parquet", [{"prompt": "copy : 1", "chosen": "1", "rejected": "2"}, {"prompt": "copy : 2", "chosen": "2", "rejected": None}])
+    p = write_rows(
+        tmp_path / "p.parquet",
+        [{"prompt": "copy : 1", "chosen": "1", "rejected": "2"}, {"prompt": "copy : 2", "chosen": "2", "rejected": None}],
+    )
     with pytest.raises(SupervisedDataError, match=r"p.parquet: row 1, column 'rejected'"):
         read_preferences(str(p))
     pairs = read_preferences(str(p).replace("p.parquet", "p.parquet"), rejected_key="chosen")
@@ -152,7 +157,9 @@ def test_follow_pipeline_prints_each_stage_and_its_metric():
     from ratchet.platform.pipelines import follow_pipeline
 
     sft = StageResult(0, "sft", "p-stage-0-sft", "/r/0", "/r/0/final/model", 40, {"eval/loss": 3.1}, {"eval/loss": 0.14})
-    dpo = StageResult(1, "dpo", "p-stage-1-dpo", "/r/1", "/r/1/final/model", 20, {"eval/reward_accuracy": 0.0}, {"eval/reward_accuracy": 0.77})
+    dpo = StageResult(
+        1, "dpo", "p-stage-1-dpo", "/r/1", "/r/1/final/model", 20, {"eval/reward_accuracy": 0.0}, {"eval/reward_accuracy": 0.77}
+    )
 
     class Handle:
         def follow(self, every):

@@ -310,7 +310,12 @@ def test_config_imports_nothing_from_workers_or_workflows():
     found = []
     for path in sorted(config.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             found += [f"{path.name}: {n}" for n in names if n.startswith(("ratchet.workers", "ratchet.workflows"))]
     assert found == [], found
-

@@ -120,7 +120,9 @@ def test_cost_scorer_function_and_model(tokenizer, tmp_path):
 def test_cost_function_errors_name_the_key(tokenizer, tmp_path):
     batch = hand_batch([[d("1"), EOS], [d("2"), EOS]], [0, 0])
     nan = tmp_path / "nan_cost.py"
-    nan.write_text("def c(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan') if '2' in solution_str else 0.0\n")
+    nan.write_text(
+        "def c(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan') if '2' in solution_str else 0.0\n"
+    )
     with pytest.raises(NonFiniteError, match=r"the cost function gave nan at batch 3, row 1 .*fix safety.cost_function"):
         CostScorer(make_cfg("m", safety={"cost_function": f"{nan}:c"}).safety).score(batch, tokenizer, 3)
     boom = tmp_path / "boom_cost.py"
@@ -147,23 +149,40 @@ def test_rollout_filter_contract(tokenizer, tmp_path):
     assert keep.tolist() == [True, True, True] and out.tolist() == [0.0, 1.0, 0.0]
     assert rewards.tolist() == [0.5, 1.0, 0.0]  # the caller's tensor is not changed
     # what it is called with: the decoded prompt and response, the sample's data
-    seen = _filter(tmp_path, "    import json\n    open(__file__ + '.seen', 'a').write(json.dumps([prompt, response, data_source, extra_info]) + '\\n')\n    return {'keep': response != '12', 'reward': 2.0}")
+    seen = _filter(
+        tmp_path,
+        "    import json\n    open(__file__ + '.seen', 'a').write(json.dumps([prompt, response, data_source, extra_info]) + '\\n')\n    return {'keep': response != '12', 'reward': 2.0}",
+    )
     keep, out = seen.apply(batch, tokenizer, rewards)
     assert keep.tolist() == [True, False, True] and out.tolist() == [2.0, 2.0, 2.0]
     calls = Path(seen.spec.rsplit(":", 1)[0] + ".seen").read_text().splitlines()
-    assert calls == ['["copy:12", "17", "digits/copy", {"i": 0}]', '["copy:12", "12", "digits/copy", {"i": 1}]', '["copy:12", "77", "digits/copy", {"i": 2}]']
-    assert _filter(tmp_path, "    import numpy\n    return numpy.bool_(len(response) > 3)").apply(batch, tokenizer, rewards)[0].tolist() == [False, False, False]
+    assert calls == [
+        '["copy:12", "17", "digits/copy", {"i": 0}]',
+        '["copy:12", "12", "digits/copy", {"i": 1}]',
+        '["copy:12", "77", "digits/copy", {"i": 2}]',
+    ]
+    assert _filter(tmp_path, "    import numpy\n    return numpy.bool_(len(response) > 3)").apply(batch, tokenizer, rewards)[
+        0
+    ].tolist() == [False, False, False]
 
 
 def test_rollout_filter_bad_answers_name_the_key_and_row(tokenizer, tmp_path):
     batch = hand_batch([[d("1"), EOS], [d("2"), EOS]], [0, 0])
     rewards = torch.zeros(2)
     cases = [
-        ("    raise RuntimeError('classifier down')", RewardFunctionError, r"the rollout filter raised RuntimeError: classifier down at batch 4, row 0 .*fix rollout.filter"),
+        (
+            "    raise RuntimeError('classifier down')",
+            RewardFunctionError,
+            r"the rollout filter raised RuntimeError: classifier down at batch 4, row 0 .*fix rollout.filter",
+        ),
         ("    return 1", RewardFunctionError, r"returned 1 \(int\) at batch 4, row 0.*True/False or a dict"),
         ("    return {'keep': True, 'score': 1}", RewardFunctionError, r"keys \['score'\].*'keep' and 'reward' only"),
         ("    return {'keep': True, 'reward': 'high'}", RewardFunctionError, r"reward 'high'.*must be a number"),
-        ("    return {'reward': float('inf')} if response == '2' else True", NonFiniteError, r"reward inf at batch 4, row 1.*fix rollout.filter"),
+        (
+            "    return {'reward': float('inf')} if response == '2' else True",
+            NonFiniteError,
+            r"reward inf at batch 4, row 1.*fix rollout.filter",
+        ),
     ]
     for body, kind, message in cases:
         with pytest.raises(kind, match=message):
@@ -207,7 +226,9 @@ def sampled(tiny_model, tmp_path_factory, tokenizer):
 
     path = write_task_parquet(tmp_path_factory.mktemp("copy") / "copy.parquet", "copy", 8, seed=0, min_len=4, max_len=4)
     prompts = PromptSet(str(path), tokenizer, max_prompt_length=64)
-    return generate_batch(HFEngine(str(tiny_model)), prompts, [0, 1], SamplingParams(n=4, max_new_tokens=6, seed=3), policy_version=0, pad_id=PAD)
+    return generate_batch(
+        HFEngine(str(tiny_model)), prompts, [0, 1], SamplingParams(n=4, max_new_tokens=6, seed=3), policy_version=0, pad_id=PAD
+    )
 
 
 def test_dropped_samples_leave_the_loss_and_their_group(tiny_model, sampled):
@@ -222,7 +243,9 @@ def test_dropped_samples_leave_the_loss_and_their_group(tiny_model, sampled):
     # the kept rows' advantages are GRPO's over the kept rows of each group alone
     kept = torch.nonzero(keep).flatten()
     sub = sampled.select(kept)
-    expected = grpo(AdvInputs(sequence_rewards_to_tokens(rewards[kept], sub.response_mask), sub.response_mask, sub.prompt_index), AdvParams())
+    expected = grpo(
+        AdvInputs(sequence_rewards_to_tokens(rewards[kept], sub.response_mask), sub.response_mask, sub.prompt_index), AdvParams()
+    )
     torch.testing.assert_close(adv[kept][:, : expected.advantages.shape[1]], expected.advantages)
     # everything dropped: no gradient, nothing NaN
     nothing = PolicyTrainer(str(tiny_model), make_cfg(tiny_model))

@@ -149,7 +149,13 @@ def test_step_metrics_by_hand():
     state = RunState(RUN, next_step=6, policy_version=4, ready=[rounds_of(6, 3)], dropped_samples=8)
     trained = TrainOutput(policy_version=4, metrics={"loss": 0.7, "response_length": 99.0, "train_seconds": 99.0}, seconds=1.5)
     m = sched.step_metrics(
-        state, two_rounds(), trained, SyncOutput(4, seconds=0.5, megabytes=12.0), wall_seconds=10.0, trainer_wait=2.5, rollout_busy_seconds=3.0
+        state,
+        two_rounds(),
+        trained,
+        SyncOutput(4, seconds=0.5, megabytes=12.0),
+        wall_seconds=10.0,
+        trainer_wait=2.5,
+        rollout_busy_seconds=3.0,
     )
     expected = {
         "reward_mean": (4 * 1.0 + 12 * 0.2) / 16,  # 0.4: weighted by samples, not 0.6

@@ -28,7 +28,9 @@ def _attrs(typed) -> dict:
 
 
 def test_initial_attributes_say_what_the_run_is():
-    attrs = _attrs(sa.initial_attributes(CONFIG, RunLineage(parent_run_id="base-1", parent_checkpoint="step-20", sweep_id="sw", trial_index=2)))
+    attrs = _attrs(
+        sa.initial_attributes(CONFIG, RunLineage(parent_run_id="base-1", parent_checkpoint="step-20", sweep_id="sw", trial_index=2))
+    )
     assert attrs == {
         "ratchet_experiment": "copy-lr", "ratchet_algorithm": "rloo", "ratchet_loop_mode": "fully_async",
         "ratchet_model": "SmolLM2-135M-Instruct", "ratchet_step": 0, "ratchet_status": "running",
@@ -130,7 +132,9 @@ def test_ratchet_runs_refuses_a_bad_where_before_connecting(tmp_path):
 
     from ratchet.platform.cli import app
 
-    out = CliRunner().invoke(app, ["runs", "--where", "reward > 0.3", "--state-dir", str(tmp_path)], env={"RATCHET_TEMPORAL_ADDRESS": "127.0.0.1:1"})
+    out = CliRunner().invoke(
+        app, ["runs", "--where", "reward > 0.3", "--state-dir", str(tmp_path)], env={"RATCHET_TEMPORAL_ADDRESS": "127.0.0.1:1"}
+    )
     assert out.exit_code == 2, out.output
     text = out.output + (out.stderr if out.stderr_bytes is not None else "")
     assert "did you mean 'ratchet_reward'?" in text and "ratchet_eval_reward (Double)" in text

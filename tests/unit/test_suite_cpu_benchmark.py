@@ -19,7 +19,9 @@ def test_a_process_started_while_sampling_is_charged_its_cpu_under_its_kind():
     sampler = suite_cpu.Sampler(period_s=0.1)
     sampler.start()
     sampler.ready.wait()
-    child = subprocess.Popen([sys.executable, "-c", BURN, "ratchet.platform.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", BURN, "ratchet.platform.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "done"
         sampler.stop()

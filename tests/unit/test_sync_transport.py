@@ -259,6 +259,7 @@ def test_a_replica_that_refuses_a_broadcast_sync_stops_it_without_a_hang(run, th
 
     real = rollout_module._model_weight_names
     picky.policy_path = str(Path(picky.policy_path).parent / "elsewhere")
+
     def names(path: str):
         return (frozenset({"other.weight"}), frozenset()) if path.endswith("elsewhere") else real(path)
 

@@ -85,7 +85,9 @@ def test_half_of_a_client_certificate_is_refused(certs, env_names, message):
 
 
 def test_missing_unreadable_or_wrong_files_name_the_variable(certs, tmp_path):
-    with pytest.raises(tc.TemporalConnectionError, match=r"RATCHET_TEMPORAL_TLS_CA=/nope/ca.pem: not found; set it to the path of a PEM file"):
+    with pytest.raises(
+        tc.TemporalConnectionError, match=r"RATCHET_TEMPORAL_TLS_CA=/nope/ca.pem: not found; set it to the path of a PEM file"
+    ):
         tc.from_env({"RATCHET_TEMPORAL_TLS_CA": "/nope/ca.pem"})
     with pytest.raises(tc.TemporalConnectionError, match="RATCHET_TEMPORAL_TLS_CA=.*: a folder, not a file"):
         tc.from_env({"RATCHET_TEMPORAL_TLS_CA": str(tmp_path)})

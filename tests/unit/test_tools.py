@@ -105,7 +105,9 @@ def test_code_runner_runs_python_in_a_private_folder(monkeypatch):
     # No inherited secrets: the environment is PATH and a locale only, and the worker's own
     # environment is out of reach (tests/security/test_code_sandbox.py tries the rest).
     assert runner({"code": "import os; print(sorted(os.environ))"}).strip() == "['HOME', 'LANG', 'PATH', 'TMPDIR']"
-    parent = runner({"code": "import os\ntry:\n    print(open(f'/proc/{os.getppid()}/environ').read())\nexcept OSError as e:\n    print(e)"})
+    parent = runner(
+        {"code": "import os\ntry:\n    print(open(f'/proc/{os.getppid()}/environ').read())\nexcept OSError as e:\n    print(e)"}
+    )
     assert "s3cr3t-in-the-worker" not in parent
 
 
@@ -182,7 +184,8 @@ def test_words_calls_close_at_equals_or_end_of_turn():
 
 def test_verl_tool_config_file_is_read(tmp_path):
     path = tmp_path / "tools.yaml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         tools:
           - class_name: calculator
             config: {type: native, timeout_s: 3}
@@ -197,7 +200,8 @@ def test_verl_tool_config_file_is_read(tmp_path):
             tool_schema:
               type: function
               function: {name: code_interpreter, parameters: {type: object, properties: {code: {type: string}}, required: [code]}}
-    """))
+    """)
+    )
     specs = load_tools_file(path)
     assert [s.name for s in specs] == ["calc", "code_interpreter"] and specs[0].config == {"timeout_s": 3}
     tools = build_tools(specs)
@@ -208,15 +212,20 @@ def test_verl_tool_config_file_is_read(tmp_path):
 
 
 def test_a_tool_of_your_own_by_file_path(tmp_path):
-    (tmp_path / "mytool.py").write_text(textwrap.dedent("""
+    (tmp_path / "mytool.py").write_text(
+        textwrap.dedent("""
         class Echo:
             def __init__(self, config, tool_schema):
                 self.name, self.timeout_s = tool_schema["function"]["name"], 1.0
                 self.parameters = tool_schema["function"]["parameters"]
             def __call__(self, args):
                 return args["text"].upper()
-    """))
-    schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}
+    """)
+    )
+    schema = {
+        "type": "function",
+        "function": {"name": "echo", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}},
+    }
     tools = build_tools(parse_tools({"tools": [{"class_name": f"{tmp_path}/mytool.py:Echo", "tool_schema": schema}]}))
     assert run_tool(tools["echo"], {"text": "hi"}).text == "HI"
 

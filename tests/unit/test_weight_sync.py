@@ -395,7 +395,9 @@ def _broadcast_member(rank: int, port: int, backend: str, device: str, out_dir: 
     manifest = make_manifest(entries, engine_dtype="float32", bound_bytes=2000, version=4)
     group = init_engine_group("127.0.0.1", port, rank, 2, backend=backend)
     if rank == 0:
-        sent, failure = gather_and_broadcast([(n, t.to(device)) for n, t in entries], manifest, _EveryReplicaReady(), group, torch.device(device))
+        sent, failure = gather_and_broadcast(
+            [(n, t.to(device)) for n, t in entries], manifest, _EveryReplicaReady(), group, torch.device(device)
+        )
         Path(out_dir, "sent").write_text(f"{sent} {failure!r}")
     else:
         layouts = bucket_layouts(manifest)

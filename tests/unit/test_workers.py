@@ -177,7 +177,9 @@ def test_a_prefetched_share_is_the_one_its_request_would_generate(tiny_model, co
     with no second generation; other arguments or a weight load in between: generated anew."""
     from ratchet.workers.rollout import RolloutWorker
 
-    cfg = make_cfg(tiny_model, data={"train_files": str(copy_data)}, rollout={"n": 2, "max_response_length": 4}, loop={"prompts_per_step": 2})
+    cfg = make_cfg(
+        tiny_model, data={"train_files": str(copy_data)}, rollout={"n": 2, "max_response_length": 4}, loop={"prompts_per_step": 2}
+    )
     worker = RolloutWorker(cfg, str(tiny_model), str(tmp_path / "run"))
     args = (5, 10, 2, 0, 0, False, 0)  # batch, prompt start, count, version, part, exact, position
     _, fresh = worker.generate_share_and_version(*args)
@@ -202,7 +204,6 @@ def test_a_prefetched_share_is_the_one_its_request_would_generate(tiny_model, co
     assert len(generations) == 6
 
 
-
 def test_a_prefetch_queued_behind_a_load_that_brought_no_new_version_does_not_generate(tiny_model, copy_data, tmp_path):
     """The step queues each replica's prefetch of the next batch behind its
     `load_published` of the new version. When the trainer published nothing (weights in
@@ -212,7 +213,9 @@ def test_a_prefetch_queued_behind_a_load_that_brought_no_new_version_does_not_ge
     from ratchet.workers.rollout import RolloutWorker
     from ratchet.workers.weight_sync import as_source
 
-    cfg = make_cfg(tiny_model, data={"train_files": str(copy_data)}, rollout={"n": 2, "max_response_length": 4}, loop={"prompts_per_step": 2})
+    cfg = make_cfg(
+        tiny_model, data={"train_files": str(copy_data)}, rollout={"n": 2, "max_response_length": 4}, loop={"prompts_per_step": 2}
+    )
     worker = RolloutWorker(cfg, str(tiny_model), str(tmp_path / "run"))
     generations = []
     worker.generate_share = lambda *a: generations.append(a) or RolloutWorker.generate_share(worker, *a)
@@ -669,7 +672,10 @@ def test_the_submit_check_and_the_reward_worker_leave_scikit_learn_scipy_and_the
             f"RewardWorker(cfg, {str(tiny_model)!r}, {str(tmp_path / 'run')!r})\n"
         ),
     }
-    procs = {k: subprocess.Popen([sys.executable, "-c", head + c + tail], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, c in checks.items()}
+    procs = {
+        k: subprocess.Popen([sys.executable, "-c", head + c + tail], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for k, c in checks.items()
+    }
     for what, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, (what, err[-2000:])

@@ -154,9 +154,7 @@ async def _leave(run_id: str) -> None:
     try:
         await asyncio.to_thread(admission.leave, run_id)
     except Exception:  # noqa: BLE001 - the lease drops the entry anyway
-        log.warning(
-            "run %s: leaving the admission queue failed; its place expires in %g s", run_id, admission.LEASE_S, exc_info=True
-        )
+        log.warning("run %s: leaving the admission queue failed; its place expires in %g s", run_id, admission.LEASE_S, exc_info=True)
 
 
 async def _quietly(call) -> None:

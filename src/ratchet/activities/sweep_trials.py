@@ -77,7 +77,11 @@ def optuna_url(registry_url: str) -> str:
     if parsed.get_backend_name() == "sqlite":
         db = parsed.database or ""
         if not db or db == ":memory:":
-            raise ApplicationError("an in-memory registry cannot hold Optuna's studies; set RATCHET_REGISTRY_URL to a file", type="SweepStorage", non_retryable=True)
+            raise ApplicationError(
+                "an in-memory registry cannot hold Optuna's studies; set RATCHET_REGISTRY_URL to a file",
+                type="SweepStorage",
+                non_retryable=True,
+            )
         path = Path(db)
         return parsed.set(database=str(path.with_name(f"{path.stem}-optuna{path.suffix or '.db'}"))).render_as_string(hide_password=False)
     _ensure_schema(parsed.render_as_string(hide_password=False))

@@ -58,7 +58,9 @@ def step_recorded(inp: t.StepRecord) -> None:
     """Log the step's metrics line (once: a retried step is skipped by step number)."""
     record = {**inp.metrics, "time_unix": time.time()}
     run = inp.run
-    _hand_over(f"run {run.run_id} step {inp.step}", lambda d: d.get(run.run_id, _opener(run.run_id, run.run_uri)).log_step(inp.step, record))
+    _hand_over(
+        f"run {run.run_id} step {inp.step}", lambda d: d.get(run.run_id, _opener(run.run_id, run.run_uri)).log_step(inp.step, record)
+    )
 
 
 def run_finished(inp: t.FinishInput) -> None:

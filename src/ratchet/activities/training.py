@@ -100,7 +100,10 @@ def start_workers(inp: t.StartWorkersInput) -> t.StartWorkersOutput:
     # Every actor's process starts and imports torch (seconds each) at once: the rollout
     # replicas, the reward worker and the critic are created first and load while the
     # trainer ranks set up.
-    ready = [*(a.policy_version.remote() for a in actors.start_rollouts(inp.policy_uri)), actors.start_reward(inp.policy_uri).__ray_ready__.remote()]
+    ready = [
+        *(a.policy_version.remote() for a in actors.start_rollouts(inp.policy_uri)),
+        actors.start_reward(inp.policy_uri).__ray_ready__.remote(),
+    ]
     if actors.cfg.uses_critic:
         ready.append(actors.start_critic().__ray_ready__.remote())
     n_params = actors.start_trainers(inp.policy_uri)
@@ -158,7 +161,12 @@ def train(inp: t.TrainInput) -> t.TrainOutput:
         wait(critic.compute_values.remote(batch_index, parts))
     ranks = actors.trainers(inp.policy_version, retrying_update=retrying)
     # `live`: hyper-parameters set while the run trains (live_keys.py), for this update.
-    outs = wait([a.train.remote(batch_index, inp.policy_version, inp.kl_coef, parts, live=inp.live or None, safe_lambda=inp.safe_lambda) for a in ranks])
+    outs = wait(
+        [
+            a.train.remote(batch_index, inp.policy_version, inp.kl_coef, parts, live=inp.live or None, safe_lambda=inp.safe_lambda)
+            for a in ranks
+        ]
+    )
     metrics = dict(outs[0].metrics)
     if critic is not None:
         metrics.update(wait(critic.update.remote(batch_index, parts)))
@@ -330,9 +338,7 @@ def checkpoint(inp: t.CheckpointInput) -> t.CheckpointOutput:
         log.warning("run %s: %s; taking checkpoint step %d in the foreground", inp.run.run_id, failed, inp.step)
     # The critic's state goes from its actor to rank 0 directly (an ObjectRef, not via here).
     critic = actors.critic(inp.policy_version).state_files.remote() if actors.cfg.uses_critic else None
-    outs = wait(
-        [a.start_checkpoint.remote(inp.step, run_state, critic if r == 0 else None, bool(failed)) for r, a in enumerate(ranks)]
-    )
+    outs = wait([a.start_checkpoint.remote(inp.step, run_state, critic if r == 0 else None, bool(failed)) for r, a in enumerate(ranks)])
     now_failed = _checkpoint_errors(outs)
     if now_failed:
         earlier = f" (after an earlier one: {failed})" if failed else ""

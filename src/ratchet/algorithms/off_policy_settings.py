@@ -107,7 +107,9 @@ def rejection_problems(specs: list[RejectionCriterion]) -> list[Problem]:
     for i, spec in enumerate(specs):
         out += [(f"{i}.{name}", message) for name, message in criterion_problems(spec)]
         if spec.name in seen:
-            out.append((f"{i}", f"repeats statistic {spec.statistic} at level {spec.level} of criterion {seen[spec.name]}; merge their bounds"))
+            out.append(
+                (f"{i}", f"repeats statistic {spec.statistic} at level {spec.level} of criterion {seen[spec.name]}; merge their bounds")
+            )
         seen.setdefault(spec.name, i)
     return out
 
@@ -118,7 +120,9 @@ def mode_problems(mode: str, is_weights: ISWeights | None, rejection: list[Rejec
         why = "does not recompute the old log-probs" if mode == "bypass" else "already weights the tokens"
         out.append(("is_weights", f"mode {mode!r} {why}; set algorithm.off_policy.mode=none (or rejection) to use is_weights"))
     if rejection and mode in MODES_WITHOUT_REJECTION:
-        out.append(("rejection", f"mode {mode!r} does not recompute the old log-probs the criteria compare; use mode none, tis or decoupled"))
+        out.append(
+            ("rejection", f"mode {mode!r} does not recompute the old log-probs the criteria compare; use mode none, tis or decoupled")
+        )
     return out
 
 

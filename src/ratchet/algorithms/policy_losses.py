@@ -114,9 +114,7 @@ def dual_clip(
     )
 
 
-def gspo(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
-) -> TokenLoss:
+def gspo(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams) -> TokenLoss:
     """GSPO, token form (Zheng et al., 2025, "Group Sequence Policy Optimization",
     arXiv:2507.18071). The importance ratio is per *sequence*, length-normalised:
 
@@ -149,9 +147,7 @@ def cispo_bounds(params: LossParams) -> tuple[float, float]:
     return low, high
 
 
-def cispo(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
-) -> TokenLoss:
+def cispo(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams) -> TokenLoss:
     """CISPO (MiniMax, 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
     Attention", arXiv:2506.13585): clip the importance-sampling *weight*, never drop a
     token's gradient:

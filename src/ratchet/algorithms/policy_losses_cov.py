@@ -95,9 +95,7 @@ def kl_cov_select(cov: torch.Tensor, mask: torch.Tensor, params: LossParams) -> 
     return selected
 
 
-def kl_cov(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
-) -> TokenLoss:
+def kl_cov(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams) -> TokenLoss:
     """KL-Cov (Cui et al., 2025, arXiv:2505.22617; verl `compute_policy_loss_kl_cov`): the
     unclipped surrogate, plus a KL-like penalty on the tokens of largest covariance:
 
@@ -120,4 +118,3 @@ def kl_cov(
     selected = kl_cov_select(token_covariance(logprob, adv, mask), mask, params)
     loss = -adv * ratio + params.kl_cov_coef * log_ratio.abs() * selected.to(logprob.dtype)
     return TokenLoss(loss=loss, clipped=selected, ratio=ratio)
-

@@ -37,9 +37,7 @@ def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 
-def sapo(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
-) -> TokenLoss:
+def sapo(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams) -> TokenLoss:
     """SAPO (Gao et al., 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347; verl
     `compute_policy_loss_sapo`): a smooth, temperature-controlled gate instead of a hard clip.
 
@@ -65,9 +63,7 @@ def sapo(
 # --------------------------------------------------------------------------------------- GMPO
 
 
-def gmpo(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
-) -> TokenLoss:
+def gmpo(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams) -> TokenLoss:
     """GMPO (Zhao et al., 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673; verl
     `compute_policy_loss_geo_mean`, registered there as `geo_mean`): the sequence's ratio is the
     geometric mean of its token ratios, each clipped in log space on the pessimistic side:
@@ -181,9 +177,7 @@ def dppo_kl(
 # ---------------------------------------------------------------------------------------- DRO
 
 
-def dro(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams
-) -> TokenLoss:
+def dro(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, params: LossParams) -> TokenLoss:
     """DRO's policy loss (Richemond et al., 2024, "Offline Regularised Reinforcement Learning for
     Large Language Models Alignment", arXiv:2405.19107; the squared log-ratio form of Kimi k1.5,
     Kimi Team 2025, arXiv:2501.12599; verl's `dro` loss, PR #7245, and Tinker's `dro`):

@@ -79,12 +79,22 @@ def register_adv_estimator(
 # algorithm.policy_loss; fn(logprob, old_logprob, advantages, mask, LossParams) -> TokenLoss
 
 POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
-register_all(POLICY_LOSSES, "ratchet.algorithms.policy_losses", {"ppo_clip": "ppo_clip", "dual_clip": "dual_clip", "gspo": "gspo", "cispo": "cispo"})
+register_all(
+    POLICY_LOSSES, "ratchet.algorithms.policy_losses", {"ppo_clip": "ppo_clip", "dual_clip": "dual_clip", "gspo": "gspo", "cispo": "cispo"}
+)
 # The rest of verl's catalogue; "geo_mean" is verl's name for GMPO.
 register_all(
     POLICY_LOSSES,
     "ratchet.algorithms.policy_losses_verl",
-    {"sapo": "sapo", "gmpo": "gmpo", "geo_mean": "gmpo", "dppo_tv": "dppo_tv", "dppo_kl": "dppo_kl", "dro": "dro", "reinforce_is": "reinforce_is"},
+    {
+        "sapo": "sapo",
+        "gmpo": "gmpo",
+        "geo_mean": "gmpo",
+        "dppo_tv": "dppo_tv",
+        "dppo_kl": "dppo_kl",
+        "dro": "dro",
+        "reinforce_is": "reinforce_is",
+    },
 )
 register_all(POLICY_LOSSES, "ratchet.algorithms.policy_losses_cov", {"clip_cov": "clip_cov", "kl_cov": "kl_cov"})
 

@@ -42,10 +42,15 @@ class Scheme:
 _FSSPEC = "ratchet.storage.fsspec_backend:open_fsspec"
 SCHEMES: Registry[Scheme] = Registry("storage scheme")
 SCHEMES.register("file", Scheme(_FSSPEC, "a local folder (a plain path works too)"))
-SCHEMES.register("s3", Scheme(_FSSPEC, "S3 or any S3-protocol server, through s3fs (endpoint and keys from AWS_* variables)", needs_bucket=True))
+SCHEMES.register(
+    "s3", Scheme(_FSSPEC, "S3 or any S3-protocol server, through s3fs (endpoint and keys from AWS_* variables)", needs_bucket=True)
+)
 SCHEMES.register("s3a", Scheme(_FSSPEC, "the same as s3://", needs_bucket=True))
 SCHEMES.register(
-    "minio", Scheme("ratchet.storage.minio_backend:open_minio", "any S3-protocol server, through the minio client (AWS_* variables)", needs_bucket=True)
+    "minio",
+    Scheme(
+        "ratchet.storage.minio_backend:open_minio", "any S3-protocol server, through the minio client (AWS_* variables)", needs_bucket=True
+    ),
 )
 SCHEMES.register("memory", Scheme(_FSSPEC, "fsspec's in-process memory filesystem, for tests"))
 

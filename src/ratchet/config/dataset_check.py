@@ -220,7 +220,9 @@ def check_dataset(cfg: RunConfig, field: str, path: str, tokenizer: Any) -> tupl
 
 
 def _no_template_issue(cfg: RunConfig, field: str) -> Issue:
-    why = "with data.prompt_format=chat" if cfg.data.prompt_format == "chat" else "for its chat-message prompts (TRL's conversational format)"
+    why = (
+        "with data.prompt_format=chat" if cfg.data.prompt_format == "chat" else "for its chat-message prompts (TRL's conversational format)"
+    )
     return (
         "model.path",
         f"the tokenizer in {cfg.model.path} has no chat template, which {field} needs {why}; add a chat_template to "
@@ -235,7 +237,10 @@ def check_row(cfg: RunConfig, row: dict[str, Any], index: int, problems: RowProb
     if problem is not None:
         problems.add(index, f"{key} {problem}")
     if "data_source" in row and not (isinstance(row["data_source"], str) and row["data_source"]):
-        problems.add(index, f"data_source must be a non-empty string (the task name the reward function reads), got {describe_kind(row['data_source'])}")
+        problems.add(
+            index,
+            f"data_source must be a non-empty string (the task name the reward function reads), got {describe_kind(row['data_source'])}",
+        )
     if "reward_model" in row:
         spec = row["reward_model"]
         if not isinstance(spec, dict):

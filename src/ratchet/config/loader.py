@@ -162,9 +162,7 @@ def _apply_overrides(base: DictConfig, overrides: Sequence[str]) -> DictConfig:
     """Merge overrides one at a time, so a merge that fails can name the override that caused it."""
     malformed = [o for o in overrides if "=" not in o or not o.split("=", 1)[0].strip()]
     if malformed:
-        raise ConfigError(
-            [("(overrides)", f"malformed override {o!r}: expected key=value, e.g. trainer.lr=3e-4") for o in malformed]
-        )
+        raise ConfigError([("(overrides)", f"malformed override {o!r}: expected key=value, e.g. trainer.lr=3e-4") for o in malformed])
     merged = base
     for override in overrides:
         try:

@@ -60,11 +60,7 @@ def changed_keys(stored: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str,
     """Dotted key -> (stored value, new value) for every key whose value differs."""
     old, now = flatten(stored), flatten(new)
     missing = object()
-    return {
-        key: (old.get(key), now.get(key))
-        for key in sorted(old.keys() | now.keys())
-        if old.get(key, missing) != now.get(key, missing)
-    }
+    return {key: (old.get(key), now.get(key)) for key in sorted(old.keys() | now.keys()) if old.get(key, missing) != now.get(key, missing)}
 
 
 def check_resume_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

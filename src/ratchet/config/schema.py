@@ -105,7 +105,10 @@ class DataConfig(Section):
     eval_files: str | None = Field(None, description="Held-out prompts for greedy evaluation, in any format of train_files.")
     prompt_key: str = Field("prompt", description="Column holding each prompt: chat messages or a plain string.")
     max_prompt_length: int = Field(
-        64, gt=0, le=MAX_TOKENS, description="Prompts longer than this (in tokens) are an error; at most 2**21, twice the longest context models serve."
+        64,
+        gt=0,
+        le=MAX_TOKENS,
+        description="Prompts longer than this (in tokens) are an error; at most 2**21, twice the longest context models serve.",
     )
     eval_size: int = Field(
         64, gt=0, le=MAX_SEQUENCES,
@@ -140,21 +143,26 @@ class VLLMOptions(Section):
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="Fraction of the GPU's memory vLLM may take (weights and KV cache) when kv_cache_bytes is null."
     )
-    tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS, description="GPUs one engine shards the model over (tensor parallel), at most 64.")
-    enable_prefix_caching: bool = Field(True, description="Compute a prompt shared by a group's n samples once.")
-    sleep_mode: bool = Field(
-        True, description="On a GPU, let a colocated engine free its memory while the trainer runs (vLLM sleep mode)."
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=MAX_GPUS, description="GPUs one engine shards the model over (tensor parallel), at most 64."
     )
+    enable_prefix_caching: bool = Field(True, description="Compute a prompt shared by a group's n samples once.")
+    sleep_mode: bool = Field(True, description="On a GPU, let a colocated engine free its memory while the trainer runs (vLLM sleep mode).")
 
 
 class SGLangOptions(Section):
     """rollout.sglang: how the SGLang engine is started (rollout.engine=sglang; CUDA only; workers/engines/sglang.py)."""
 
     max_model_len: int | None = Field(
-        None, gt=0, le=MAX_TOKENS, description="SGLang's context_length (at most 2**21); null: data.max_prompt_length + rollout.max_response_length."
+        None,
+        gt=0,
+        le=MAX_TOKENS,
+        description="SGLang's context_length (at most 2**21); null: data.max_prompt_length + rollout.max_response_length.",
     )
     mem_fraction_static: float = Field(0.5, gt=0, lt=1, description="Fraction of the GPU's memory for weights and KV cache.")
-    tensor_parallel_size: int = Field(1, ge=1, le=MAX_GPUS, description="GPUs one engine shards the model over (SGLang's tp_size), at most 64.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=MAX_GPUS, description="GPUs one engine shards the model over (SGLang's tp_size), at most 64."
+    )
     weight_bucket_mb: float = Field(
         256.0, gt=0, le=MAX_BUCKET_MB,
         description="Weight updates go to the engine in calls of at most this many megabytes (one tensor may exceed it); at "
@@ -173,7 +181,7 @@ class MultiTurnConfig(Section):
     )
     format: Literal["hermes", "words"] = Field(
         "hermes",
-        description="How the model writes a call: hermes <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> "
+        description='How the model writes a call: hermes <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
         "(verl, Qwen); words NAME : ARGS = for vocabularies without tags (the tiny digit model).",
     )
     observation_template: str | None = Field(
@@ -222,10 +230,15 @@ class RolloutConfig(Section):
     sglang: SGLangOptions = Field(default_factory=SGLangOptions, description="Options of the SGLang engine.")
     n: int = Field(8, ge=1, le=1024, description="Samples per prompt (the GRPO group size; 4-64 in practice, at most 1024).")
     replicas: int = Field(
-        1, ge=1, le=1024, description="Engine replicas (data parallel): a batch's prompts are spread over them by load, a "
-        "prompt's n samples on one replica; the batch is the same as one engine's (workers/actors/rollout_pool.py)."
+        1,
+        ge=1,
+        le=1024,
+        description="Engine replicas (data parallel): a batch's prompts are spread over them by load, a "
+        "prompt's n samples on one replica; the batch is the same as one engine's (workers/actors/rollout_pool.py).",
     )
-    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature; at most 100 (above ~10 sampling is already uniform noise).")
+    temperature: float = Field(
+        1.0, gt=0, le=100, description="Sampling temperature; at most 100 (above ~10 sampling is already uniform noise)."
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_response_length: int = Field(16, gt=0, le=MAX_TOKENS, description="Maximum new tokens per sample (at most 2**21).")
     partial_rollout: bool = Field(
@@ -242,7 +255,6 @@ class RolloutConfig(Section):
         "Rollout filters); null: every sample is kept.",
     )
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn tool rollouts.")
-
 
     @field_validator("engine")
     @classmethod
@@ -265,7 +277,10 @@ class RewardConfig(Section):
         "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict; null for none.",
     )
     function_weight: float = Field(
-        1.0, ge=-MAX_WEIGHT, le=MAX_WEIGHT, description="Weight of the rule-based reward in the mix (within +-1e6: larger overflows the advantages)."
+        1.0,
+        ge=-MAX_WEIGHT,
+        le=MAX_WEIGHT,
+        description="Weight of the rule-based reward in the mix (within +-1e6: larger overflows the advantages).",
     )
     model_path: str | None = Field(
         None, description="Folder of a reward model (AutoModelForSequenceClassification, one label); null for none."
@@ -291,8 +306,11 @@ class RewardConfig(Section):
 class KLConfig(Section):
     type: str = Field("low_var_kl", description="KL estimator: k1, abs, mse|k2, low_var_kl|k3, and '+' straight-through variants.")
     coef: float = Field(
-        0.0, ge=0, le=100, description="KL weight (initial weight when adaptive); 0 disables the reference model. At most 100 "
-        "(0.001-0.1 in practice): beyond it the policy cannot move."
+        0.0,
+        ge=0,
+        le=100,
+        description="KL weight (initial weight when adaptive); 0 disables the reference model. At most 100 "
+        "(0.001-0.1 in practice): beyond it the policy cannot move.",
     )
     in_reward: bool = Field(False, description="Subtract coef * KL from the token rewards instead of adding a loss term.")
     target: float | None = Field(
@@ -326,7 +344,9 @@ class ISWeightsConfig(Section):
     high: float | None = Field(
         2.0, gt=0, le=MAX_WEIGHT, description="Upper bound on the weight (TIS e.g. 2.0; IcePop's paper 5.0); at most 1e6."
     )
-    batch_normalize: bool = Field(False, description="Divide the weights by their batch mean (over kept tokens, or sequences at sequence levels).")
+    batch_normalize: bool = Field(
+        False, description="Divide the weights by their batch mean (over kept tokens, or sequences at sequence levels)."
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> "ISWeightsConfig":
@@ -341,7 +361,8 @@ class RejectionCriterionConfig(Section):
         description="ratio: pi_old / mu; k2: (log ratio)^2 / 2; k3: ratio - 1 - log ratio (both >= 0, 0 when on-policy)."
     )
     level: Literal["token", "seq_sum", "seq_mean", "seq_max"] = Field(
-        "token", description="token drops tokens; seq_sum/seq_mean/seq_max aggregate over the sequence and drop it whole (ratio: product, geometric mean)."
+        "token",
+        description="token drops tokens; seq_sum/seq_mean/seq_max aggregate over the sequence and drop it whole (ratio: product, geometric mean).",
     )
     low: float | None = Field(None, ge=0, le=MAX_WEIGHT, description="Keep only what is >= low (at most 1e6); null: no lower bound.")
     high: float | None = Field(None, ge=0, le=MAX_WEIGHT, description="Keep only what is <= high (at most 1e6); null: no upper bound.")
@@ -354,7 +375,9 @@ class RejectionCriterionConfig(Section):
 
 class OffPolicyConfig(Section):
     mode: str = Field("none", description="Correction for samples from an older policy: none, tis, decoupled, bypass, rejection.")
-    cap: float = Field(2.0, gt=1, le=MAX_WEIGHT, description="Importance-weight cap (truncation, masking or rejection threshold); at most 1e6.")
+    cap: float = Field(
+        2.0, gt=1, le=MAX_WEIGHT, description="Importance-weight cap (truncation, masking or rejection threshold); at most 1e6."
+    )
     level: Literal["token", "sequence", "geometric"] = Field(
         "token", description="Importance weights per token, per sequence (product), or per sequence (geometric mean)."
     )
@@ -415,7 +438,9 @@ class AlgorithmConfig(Section):
         20.0, gt=0, le=MAX_WEIGHT,
         description="dppo_tv / dppo_kl losses: truncation cap of the IS weight (verl reads clip_ratio_c, falling back to 20).",
     )  # fmt: skip
-    clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="clip_cov loss: fraction of the micro-batch's tokens whose gradient is cut.")
+    clip_cov_ratio: float = Field(
+        2e-4, gt=0, le=1, description="clip_cov loss: fraction of the micro-batch's tokens whose gradient is cut."
+    )
     clip_cov_lb: float = Field(
         1.0, ge=-MAX_WEIGHT, le=MAX_WEIGHT, description="clip_cov loss: a token is a candidate when its covariance is above this..."
     )
@@ -616,9 +641,7 @@ LoopModeName = Literal[tuple(LOOP_MODES)]  # type: ignore[valid-type]
 
 
 class LoopConfig(Section):
-    mode: LoopModeName = Field(
-        "sync", description=" ".join(f"{name}: {mode.description}" for name, mode in LOOP_MODES.items())
-    )
+    mode: LoopModeName = Field("sync", description=" ".join(f"{name}: {mode.description}" for name, mode in LOOP_MODES.items()))
     # fully_async's pipeline depth: at most 1024 each, far past any useful lag (1-8), and the
     # ready batches travel in the run state (Temporal's 2 MB payload limit).
     max_staleness: int = Field(
@@ -648,8 +671,11 @@ class LoopConfig(Section):
 class CheckpointConfig(Section):
     export_final: bool = Field(True, description="Export the final policy in Hugging Face format to the run folder.")
     every: int = Field(
-        10, ge=0, le=MAX_STEPS, description="Checkpoint (trainer state, HF export, run state) every this many steps; 0: never. "
-        "A lost trainer is rebuilt from the last one plus a replay of the stored batches after it."
+        10,
+        ge=0,
+        le=MAX_STEPS,
+        description="Checkpoint (trainer state, HF export, run state) every this many steps; 0: never. "
+        "A lost trainer is rebuilt from the last one plus a replay of the stored batches after it.",
     )
     keep_last: int = Field(3, ge=1, le=MAX_STEPS, description="Retention: keep the last this many checkpoints...")
     keep_every: int = Field(0, ge=0, le=MAX_STEPS, description="...and every checkpoint whose step is a multiple of this (0: none).")
@@ -694,7 +720,9 @@ class PoolConfig(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$", description="Pool name (letters, digits, '_', '.', '-').")
     nodes: int = Field(1, ge=1, le=1024, description="Nodes in the pool.")
-    cpus_per_node: float = Field(gt=0, le=MAX_CPUS, description="Ray CPUs the pool reserves on each node (at most 65536, more than a machine has).")
+    cpus_per_node: float = Field(
+        gt=0, le=MAX_CPUS, description="Ray CPUs the pool reserves on each node (at most 65536, more than a machine has)."
+    )
     gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs the pool reserves on each node (0: a CPU pool).")
     roles: list[PoolRole] = Field(
         min_length=1,
@@ -712,7 +740,9 @@ class ResourcesConfig(Section):
     # Ray CPUs of one actor: at most 65536 (MAX_CPUS), more than any machine has.
     rollout_cpus: float = Field(1.0, gt=0, le=MAX_CPUS, description="Ray CPUs reserved by each rollout worker (at most 65536).")
     trainer_cpus: float = Field(1.0, gt=0, le=MAX_CPUS, description="Ray CPUs reserved by each trainer rank (at most 65536).")
-    reward_cpus: float = Field(0.0, ge=0, le=MAX_CPUS, description="Ray CPUs reserved by the reward worker (rule-based rewards are light: 0; at most 65536).")
+    reward_cpus: float = Field(
+        0.0, ge=0, le=MAX_CPUS, description="Ray CPUs reserved by the reward worker (rule-based rewards are light: 0; at most 65536)."
+    )
     critic_cpus: float = Field(0.0, ge=0, le=MAX_CPUS, description="Ray CPUs reserved by the critic (GAE estimators only; at most 65536).")
     torch_threads: int = Field(
         1, ge=1, le=1024, description="torch threads per worker process (one is fastest on small CPUs); at most 1024."
@@ -844,7 +874,10 @@ class DpoStage(SupervisedStageBase):
     data: PreferenceData
     loss: str = Field("sigmoid", description="Preference loss by registered name: sigmoid (DPO), ipo, simpo (no reference).")
     beta: float = Field(
-        0.1, gt=0, le=MAX_WEIGHT, description="DPO/IPO/SimPO beta: the implicit reward's scale (IPO: the target margin is 1/(2 beta)); at most 1e6."
+        0.1,
+        gt=0,
+        le=MAX_WEIGHT,
+        description="DPO/IPO/SimPO beta: the implicit reward's scale (IPO: the target margin is 1/(2 beta)); at most 1e6.",
     )
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative DPO / SimPO: probability that a label is flipped.")
     simpo_gamma: float = Field(0.5, ge=0, le=MAX_WEIGHT, description="SimPO: target reward margin gamma (TRL's simpo_gamma); at most 1e6.")

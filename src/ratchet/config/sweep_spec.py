@@ -71,7 +71,10 @@ class ParamSpace(_Strict):
     type: Literal["float", "int"] | None = Field(None, description="Range: int or float (default: int when both bounds are integers).")
     log: bool = Field(False, description="Range: sample (and space grid points) on a log scale; needs low > 0.")
     num: int | None = Field(
-        None, ge=1, le=10_000, description="Grid search over a range: this many points, low and high included (at most 10000, the most trials)."
+        None,
+        ge=1,
+        le=10_000,
+        description="Grid search over a range: this many points, low and high included (at most 10000, the most trials).",
     )
 
     @model_validator(mode="before")
@@ -93,7 +96,9 @@ class ParamSpace(_Strict):
                 raise ValueError("values is empty: list at least one choice")
             bad = [v for v in self.values if not (v is None or isinstance(v, (bool, int, float, str)))]
             if bad:
-                raise ValueError(f"choices must be numbers, strings, booleans or null, got {bad[0]!r}; a list or mapping cannot be a choice")
+                raise ValueError(
+                    f"choices must be numbers, strings, booleans or null, got {bad[0]!r}; a list or mapping cannot be a choice"
+                )
             if len({repr(v) for v in self.values}) != len(self.values):
                 raise ValueError("values has duplicates: list each choice once")
             return self
@@ -131,7 +136,9 @@ class EarlyStopping(_Strict):
     rungs: list[int] = Field(default_factory=list, description="Steps at which trials are compared (ascending, each below loop.steps).")
     eta: int = Field(3, ge=2, le=10_000, description="asha: keep the top 1/eta at each rung (at most 10000, the most trials).")
     metric: str = Field("reward_mean", description="The metrics.jsonl key compared at the rungs.")
-    direction: Literal["max", "min"] | None = Field(None, description="Whether a higher or lower value at a rung is better (default: the objective's direction).")
+    direction: Literal["max", "min"] | None = Field(
+        None, description="Whether a higher or lower value at a rung is better (default: the objective's direction)."
+    )
     window: int = Field(
         1, ge=1, le=10**9, description="A trial's value at rung r: the mean of the metric over steps r-window+1..r (at most 1e9)."
     )
@@ -162,7 +169,9 @@ class SweepSpec(_Strict):
     base: str | dict[str, Any] = Field(description="The run config: a YAML path (relative to the spec's folder) or the config itself.")
     overrides: list[str] = Field(default_factory=list, description="Dotted overrides of the base, e.g. loop.steps=20.")
     space: dict[str, ParamSpace] = Field(description="Dotted run-config key -> its values (a list) or range.")
-    search: Literal["grid", "random", "tpe"] = Field("random", description="grid: every combination; random: seeded draws; tpe: Optuna's TPE sampler.")
+    search: Literal["grid", "random", "tpe"] = Field(
+        "random", description="grid: every combination; random: seeded draws; tpe: Optuna's TPE sampler."
+    )
     trials: int | None = Field(None, ge=1, le=10_000, description="How many trials (grid: at most, and by default, the grid size).")
     parallelism: int = Field(1, ge=1, le=1000, description="Most trials running at once.")
     objective: Objective = Field(default_factory=Objective)
@@ -335,10 +344,20 @@ def compile_sweep(spec: SweepSpec, spec_dir: Path | None = None) -> CompiledSwee
         raise SweepSpecError([(f"base: {p}", m) for p, m in exc.issues]) from None
     issues: list[Issue] = []
     if spec.objective.metric == "eval_reward" and base.data.eval_files is None:
-        issues.append(("objective.metric", "eval_reward needs eval data: set data.eval_files in the base, or use a metrics.jsonl key such as reward_mean"))
+        issues.append(
+            (
+                "objective.metric",
+                "eval_reward needs eval data: set data.eval_files in the base, or use a metrics.jsonl key such as reward_mean",
+            )
+        )
     too_late = [r for r in spec.early_stopping.rungs if r >= base.loop.steps]
     if spec.early_stopping.rule != "none" and too_late:
-        issues.append(("early_stopping.rungs", f"rungs {too_late} are not below loop.steps ({base.loop.steps}): a trial never stops there; lower them"))
+        issues.append(
+            (
+                "early_stopping.rungs",
+                f"rungs {too_late} are not below loop.steps ({base.loop.steps}): a trial never stops there; lower them",
+            )
+        )
     base_json = base.model_dump(mode="json")
     params = None
     if spec.search in ("grid", "random"):
@@ -364,7 +383,10 @@ def _trial_issues(base: Mapping[str, Any], params: Mapping[str, Any], what: str)
         trial_config(base, params)
     except ConfigError as exc:
         shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
-        return [(f"{what}: {path}", f"{message} (from {shown}; narrow space so every value makes a valid config)") for path, message in exc.issues]
+        return [
+            (f"{what}: {path}", f"{message} (from {shown}; narrow space so every value makes a valid config)")
+            for path, message in exc.issues
+        ]
     return []
 
 

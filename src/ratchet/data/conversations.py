@@ -70,9 +70,7 @@ def _plain(value: Any) -> Any:
 def _column(path: str, key: str, what: str) -> list[Any]:
     table = read_dataset(path, [key])
     if key not in table.column_names:
-        raise SupervisedDataError(
-            f"{path}: no column {key!r} ({what}); its columns are {', '.join(table.column_names) or 'none'}"
-        )
+        raise SupervisedDataError(f"{path}: no column {key!r} ({what}); its columns are {', '.join(table.column_names) or 'none'}")
     if table.unreadable:
         row, why = next(iter(sorted(table.unreadable.items())))
         raise SupervisedDataError(f"{path}: row {row} cannot be read: {why}")
@@ -98,10 +96,15 @@ class PreferencePair:
     rejected: list[dict]
 
 
-def read_preferences(path: str, prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected") -> list[PreferencePair]:
+def read_preferences(
+    path: str, prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected"
+) -> list[PreferencePair]:
     """The preference pairs of a DPO dataset as conversations (a string prompt is one user
     message, a string completion one assistant message), every row checked."""
-    cols = {k: _column(path, k, what) for k, what in ((prompt_key, "the prompt"), (chosen_key, "the preferred completion"), (rejected_key, "the other completion"))}
+    cols = {
+        k: _column(path, k, what)
+        for k, what in ((prompt_key, "the prompt"), (chosen_key, "the preferred completion"), (rejected_key, "the other completion"))
+    }
     n = len(cols[prompt_key])
     if not n:
         raise SupervisedDataError(f"{path}: no rows")

@@ -71,7 +71,9 @@ def _read_parquet(path: Path, wanted: Sequence[str] | None) -> DatasetTable:
         table = parquet.read(columns=_select(names, wanted))
     except Exception as exc:  # not a parquet file, truncated, unreadable
         raise DatasetFileError(f"cannot read {path} as parquet: {type(exc).__name__}: {_first_line(exc)}") from exc
-    return DatasetTable(str(path), "parquet", names, parquet.metadata.num_rows, {c: table.column(c).to_pylist() for c in table.column_names})
+    return DatasetTable(
+        str(path), "parquet", names, parquet.metadata.num_rows, {c: table.column(c).to_pylist() for c in table.column_names}
+    )
 
 
 # --- JSON Lines ----------------------------------------------------------------------------

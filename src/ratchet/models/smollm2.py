@@ -99,9 +99,7 @@ def build_smollm2(out_dir: str | Path, *, progress: Progress | None = None) -> P
     t0 = time.perf_counter()
     try:
         _write_folder(source, tmp, say)
-        (tmp / MARKER).write_text(
-            json.dumps({"format": FORMAT, "source": source.name, "source_bytes": source.stat().st_size}, indent=1)
-        )
+        (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "source": source.name, "source_bytes": source.stat().st_size}, indent=1))
         if out.exists() and not is_built(out):
             shutil.rmtree(out)  # an incomplete folder from an older, interrupted layout
         try:

@@ -36,9 +36,7 @@ def build_tokenizer():
     )
     # Decoded responses read "3914", not "3 9 1 4": the reward compares digit strings.
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

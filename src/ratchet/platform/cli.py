@@ -20,6 +20,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Durable RL p
 console = Console()
 err = Console(stderr=True)
 
+
 @app.callback()
 def _global_options(
     debug: bool = typer.Option(False, "--debug", help="Show the Python traceback instead of a one-line message (or set RATCHET_DEBUG=1)."),
@@ -56,14 +57,22 @@ def _exit_on_config_error(fn, *args, **kwargs):
 def up(
     state_dir: Optional[Path] = StateDir,
     nodes: Optional[int] = typer.Option(
-        None, "--nodes", min=0, max=16,
+        None,
+        "--nodes",
+        min=0,
+        max=16,
         help="Extra Ray nodes on this machine, each with its own ratchet worker, to try a cluster (default $RATCHET_NODES or 0). "
         "A node that died is started again.",
     ),
-    node_cpus: Optional[float] = typer.Option(None, "--node-cpus", min=0.01, help="Ray CPUs each extra node offers (default $RATCHET_NODE_CPUS or 2)."),
+    node_cpus: Optional[float] = typer.Option(
+        None, "--node-cpus", min=0.01, help="Ray CPUs each extra node offers (default $RATCHET_NODE_CPUS or 2)."
+    ),
     node_workers: bool = typer.Option(True, "--node-workers/--no-node-workers", help="Whether each of the --nodes runs a ratchet worker."),
     worker_nodes: Optional[int] = typer.Option(
-        None, "--worker-nodes", min=0, max=16,
+        None,
+        "--worker-nodes",
+        min=0,
+        max=16,
         help="Extra nodes with no CPUs that only run a ratchet worker, as deploy/ runs workers (default $RATCHET_WORKER_NODES or 0).",
     ),
 ) -> None:
@@ -110,7 +119,9 @@ def status(
     from .payload_key import key_file_path
 
     # The embedded server's runs are sealed with its state folder's key ($RATCHET_PAYLOAD_KEY_FILE wins).
-    runs, total, why = runs_in_flight(address or st.temporal_address, fix=fix, payload_key_file=None if address else key_file_path(st.state_dir))
+    runs, total, why = runs_in_flight(
+        address or st.temporal_address, fix=fix, payload_key_file=None if address else key_file_path(st.state_dir)
+    )
     if as_json:
         sys.stdout.write(status_json(st, runs, total, why) + "\n")
     else:
@@ -121,11 +132,18 @@ def status(
 
 @app.command()
 def worker(
-    temporal_address: Optional[str] = typer.Option(None, help="Temporal frontend host:port (default $RATCHET_TEMPORAL_ADDRESS or 127.0.0.1:7233)."),
+    temporal_address: Optional[str] = typer.Option(
+        None, help="Temporal frontend host:port (default $RATCHET_TEMPORAL_ADDRESS or 127.0.0.1:7233)."
+    ),
     ray_address: Optional[str] = typer.Option(None, help="Ray GCS host:port (default $RATCHET_RAY_ADDRESS or 127.0.0.1:6380)."),
-    namespace: Optional[str] = typer.Option(None, help="Temporal namespace (default $RATCHET_TEMPORAL_NAMESPACE, $RATCHET_NAMESPACE or 'default'; TLS and API key: docs/deploy.md)."),
+    namespace: Optional[str] = typer.Option(
+        None,
+        help="Temporal namespace (default $RATCHET_TEMPORAL_NAMESPACE, $RATCHET_NAMESPACE or 'default'; TLS and API key: docs/deploy.md).",
+    ),
     wait_s: Optional[float] = typer.Option(
-        None, "--wait-s", min=0,
+        None,
+        "--wait-s",
+        min=0,
         help="Wait this long for an unreachable Temporal server or Ray head before exiting 1 (default $RATCHET_WORKER_WAIT_S or 0: at once).",
     ),
 ) -> None:
@@ -219,8 +237,10 @@ def _fields(model, prefix: str = ""):
             continue
         # An optional section (default null) or a list of sections: its own row, then its keys.
         inner = section_in(ann) or item_section(ann)
-        default = "(required)" if info.default is PydanticUndefined and info.default_factory is None else repr(
-            info.default_factory() if info.default_factory else info.default
+        default = (
+            "(required)"
+            if info.default is PydanticUndefined and info.default_factory is None
+            else repr(info.default_factory() if info.default_factory else info.default)
         )
         if typing.get_origin(ann) is typing.Literal:
             type_name = " | ".join(repr(v) for v in typing.get_args(ann))
@@ -235,7 +255,9 @@ def _fields(model, prefix: str = ""):
 def train(
     config: Path = typer.Argument(..., help="Run config (YAML)."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides, e.g. trainer.lr=3e-4."),
-    detach: bool = typer.Option(False, "--detach", help="Submit and return the run id without waiting (follow it later with `ratchet watch RUN`)."),
+    detach: bool = typer.Option(
+        False, "--detach", help="Submit and return the run id without waiting (follow it later with `ratchet watch RUN`)."
+    ),
 ) -> None:
     """Validate CONFIG, submit the run, and follow it with a progress bar (Ctrl-C leaves the run going)."""
     from ratchet.config import load_config
@@ -354,7 +376,8 @@ RootOption = typer.Option(None, "--root", help="The run's storage.root (default 
 def resume(
     run_id: str,
     overrides: Optional[List[str]] = typer.Argument(
-        None, help="Config changes for a resume from a checkpoint, e.g. trainer.world_size=2 (which keys may change: src/ratchet/config/resume_keys.py)."
+        None,
+        help="Config changes for a resume from a checkpoint, e.g. trainer.world_size=2 (which keys may change: src/ratchet/config/resume_keys.py).",
     ),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Checkpoint name (default: the latest good one)."),
     root: Optional[str] = RootOption,
@@ -429,7 +452,9 @@ def _exit_unless_checkpoints(store, run_store, run_id: str, root: str) -> None:
             err=True, fg="red",
         )  # fmt: skip
         _flush_and_exit(2)
-    console.print(f"run {run_id} has no checkpoint yet (one is written every checkpoint.every steps)", soft_wrap=True, highlight=False, markup=False)
+    console.print(
+        f"run {run_id} has no checkpoint yet (one is written every checkpoint.every steps)", soft_wrap=True, highlight=False, markup=False
+    )
     _flush_and_exit(0)
 
 
@@ -442,7 +467,9 @@ def stop(run_id: str) -> None:
 @app.command()
 def drain(
     node: str = typer.Argument(..., help="The Ray node about to go: its name (node-2), node id (or a unique prefix) or address."),
-    deadline_s: Optional[float] = typer.Option(None, "--deadline-s", min=1, help="Seconds until the node is taken away (tells Ray; informational)."),
+    deadline_s: Optional[float] = typer.Option(
+        None, "--deadline-s", min=1, help="Seconds until the node is taken away (tells Ray; informational)."
+    ),
     wait_s: float = typer.Option(300.0, "--wait-s", min=0, help="Wait this long until no run has an actor on the node (0: do not wait)."),
 ) -> None:
     """A node is about to go (spot reclaim, Kubernetes drain): Ray places nothing new on it,
@@ -494,7 +521,8 @@ def progress(run_id: str) -> None:
     except RPCError as exc:  # a worker seen a moment ago has gone, or is too busy to answer
         raise CliError(
             f"run {run_id} did not answer within {QUERY_TIMEOUT_S:g} s ({exc.message or exc}): is a worker running? "
-            "start one with `ratchet worker`", 1,
+            "start one with `ratchet worker`",
+            1,
         ) from None
     console.print_json(json.dumps({"progress": asdict(progress_now), "batches": [asdict(b) for b in handle.batches()]}))
     _flush_and_exit(0)
@@ -560,7 +588,9 @@ def set_params(
 @app.command()
 def fork(
     run_id: str,
-    checkpoint: str = typer.Option(..., "--checkpoint", help="The parent's checkpoint to start from, e.g. step-20 (ratchet checkpoints RUN)."),
+    checkpoint: str = typer.Option(
+        ..., "--checkpoint", help="The parent's checkpoint to start from, e.g. step-20 (ratchet checkpoints RUN)."
+    ),
     overrides: Optional[List[str]] = typer.Argument(
         None, help="Config changes, e.g. trainer.lr=1e-5 loop.steps=60 (the keys a resume may change: src/ratchet/config/resume_keys.py)."
     ),
@@ -609,7 +639,9 @@ def _open_registry(url: Optional[str], state_dir: Optional[Path]):
 @app.command()
 def runs(
     experiment: Optional[str] = typer.Option(None, "--experiment", help="Only runs of this experiment (tracking.experiment)."),
-    status: Optional[str] = typer.Option(None, "--status", help="Only runs in this status: running, completed, failed, cancelled, stopped."),
+    status: Optional[str] = typer.Option(
+        None, "--status", help="Only runs in this status: running, completed, failed, cancelled, stopped."
+    ),
     sort: str = typer.Option("created", "--sort", help="created, updated, step, reward, eval_reward, run_id, experiment or status."),
     ascending: bool = typer.Option(False, "--asc", help="Sort ascending (default: descending, newest or best first)."),
     limit: int = typer.Option(50, "--limit", min=1, help="Show at most this many runs."),
@@ -618,7 +650,9 @@ def runs(
     url: Optional[str] = RegistryURLOption,
     state_dir: Optional[Path] = StateDir,
     where: Optional[str] = typer.Option(
-        None, "--where", help="Only runs this Temporal query over their search attributes selects, e.g. \"ratchet_reward > 0.3\" (docs/temporal_ui.md)."
+        None,
+        "--where",
+        help='Only runs this Temporal query over their search attributes selects, e.g. "ratchet_reward > 0.3" (docs/temporal_ui.md).',
     ),
 ) -> None:
     """List runs from the run registry (filter, sort), or compare two runs."""
@@ -691,7 +725,9 @@ def registry_upgrade(url: Optional[str] = RegistryURLOption, state_dir: Optional
 
 @registry_app.command("rebuild")
 def registry_rebuild(
-    root: str = typer.Option(".ratchet/runs", "--root", help="Object store root holding the run folders (a folder, s3://..., minio://...)."),
+    root: str = typer.Option(
+        ".ratchet/runs", "--root", help="Object store root holding the run folders (a folder, s3://..., minio://...)."
+    ),
     url: Optional[str] = RegistryURLOption,
     state_dir: Optional[Path] = StateDir,
 ) -> None:
@@ -704,9 +740,7 @@ def registry_rebuild(
     reg = _open_registry(url, state_dir)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("rebuilding", total=None)
-        report = rebuild_from_store(
-            reg, root, on_start=lambda n: bar.update(task, total=n), on_run=lambda run_id: bar.advance(task)
-        )
+        report = rebuild_from_store(reg, root, on_start=lambda n: bar.update(task, total=n), on_run=lambda run_id: bar.advance(task))
     lines = sum(len(v) for v in report.skipped_lines.values())
     console.print(
         f"rebuilt {len(report.runs)} runs ({report.checkpoints} checkpoints) from {root} into {reg.url}; "
@@ -718,14 +752,15 @@ def registry_rebuild(
         console.print(f"[yellow]{run_id}: skipped {len(skipped)} unreadable lines[/yellow]: {escape('; '.join(skipped[:3]))}")
 
 
-
 # -- sweeps and schedules (src/ratchet/platform/sweeps.py, schedules.py) ------------------------
 
 
 @app.command()
 def sweep(
     spec: Path = typer.Argument(..., help="Sweep spec (YAML): base config, search space, search kind, objective (docs/sweeps.md)."),
-    overrides: Optional[List[str]] = typer.Argument(None, help="sweep.KEY=V sets a spec key (sweep.trials=4); KEY=V overrides the base run config."),
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help="sweep.KEY=V sets a spec key (sweep.trials=4); KEY=V overrides the base run config."
+    ),
     detach: bool = typer.Option(False, "--detach", help="Start the sweep and return its id without waiting."),
 ) -> None:
     """Validate SPEC and every trial config, start the sweep, and follow it."""
@@ -813,7 +848,15 @@ def schedule_create(
     _checked_id(schedule_id, "schedule id")
     try:
         _exit_on_config_error(
-            create_schedule, Client.connect(), schedule_id, config=config, sweep=sweep_spec, overrides=overrides or [], every=every, cron=cron, paused=paused
+            create_schedule,
+            Client.connect(),
+            schedule_id,
+            config=config,
+            sweep=sweep_spec,
+            overrides=overrides or [],
+            every=every,
+            cron=cron,
+            paused=paused,
         )
     except ScheduleError as exc:
         typer.secho(str(exc), err=True, fg="red")

@@ -149,7 +149,12 @@ class Client:
 
     @classmethod
     def connect(
-        cls, address: str | None = None, *, namespace: str | None = None, task_queue: str = TASK_QUEUE, payload_key_file: str | Path | None = None
+        cls,
+        address: str | None = None,
+        *,
+        namespace: str | None = None,
+        task_queue: str = TASK_QUEUE,
+        payload_key_file: str | Path | None = None,
     ) -> "Client":
         """Connect to the Temporal frontend at `address` (default $RATCHET_TEMPORAL_ADDRESS or
         the embedded server's). The namespace (default $RATCHET_TEMPORAL_NAMESPACE, else
@@ -244,16 +249,17 @@ class Client:
             options.setdefault("search_attributes", sa.resumed_attributes(inp.config, lineage, step))
         self._run(
             self._temporal.start_workflow(
-                WORKFLOW, inp, id=inp.run_id, task_queue=self.task_queue,
+                WORKFLOW,
+                inp,
+                id=inp.run_id,
+                task_queue=self.task_queue,
                 static_summary=sa.static_summary(inp.run_id, inp.config, lineage),
                 static_details=sa.static_details(inp.run_id, inp.config, lineage),
                 **options,
             )  # fmt: skip
         )
 
-    def resume(
-        self, run_id: str, overrides: Sequence[str] = (), *, root: str | None = None, checkpoint: str | None = None
-    ) -> RunHandle:
+    def resume(self, run_id: str, overrides: Sequence[str] = (), *, root: str | None = None, checkpoint: str | None = None) -> RunHandle:
         """Continue a stopped or failed run from a checkpoint (the latest good one unless
         named), with its stored config plus `overrides` (say `trainer.world_size=2`; only
         the keys in `ratchet.config.resume_keys` may change). The run keeps its id and

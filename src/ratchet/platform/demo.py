@@ -33,7 +33,6 @@ from .tables import show
 from .watch import run_link, summary_table, watch
 
 
-
 def start_worker_process(settings: ServiceSettings) -> subprocess.Popen:
     log_dir = settings.ensure_private_subdir(Path(settings.state_dir) / "logs")
     env = dict(os.environ, RATCHET_TEMPORAL_ADDRESS=temporal_address(settings), RATCHET_RAY_ADDRESS=ray_address(settings))
@@ -93,7 +92,9 @@ def run_demo(settings: ServiceSettings, overrides: Sequence[str], console: Conso
     ui_url = f"http://{settings.host}:{settings.temporal_ui_port}"
     console.print(f"      Temporal UI: {ui_url}", soft_wrap=True)
     if mlflow_ui_url(settings):
-        console.print(f"      MLflow UI: {mlflow_ui_url(settings)} (starts in the background; `ratchet status` says when it answers)", soft_wrap=True)
+        console.print(
+            f"      MLflow UI: {mlflow_ui_url(settings)} (starts in the background; `ratchet status` says when it answers)", soft_wrap=True
+        )
     console.print("[bold]3/4[/bold] starting a worker")
     worker = start_worker_process(settings)
     try:
@@ -108,7 +109,9 @@ def run_demo(settings: ServiceSettings, overrides: Sequence[str], console: Conso
     wall = time.perf_counter() - t0
     show(console, summary_table(summary, wall, ui_url))
     console.print("services are still up for browsing; stop them with `ratchet down`")
-    console.print(f"plot: {plot_or_reason([summary.run_id], state / 'plots' / f'{summary.run_id}.png', str(state / 'runs'))}", soft_wrap=True)
+    console.print(
+        f"plot: {plot_or_reason([summary.run_id], state / 'plots' / f'{summary.run_id}.png', str(state / 'runs'))}", soft_wrap=True
+    )
     line = {
         "run_id": summary.run_id,
         "steps": summary.steps,

@@ -111,7 +111,12 @@ def prepare_fork(
     log.info("fork %s: copied %d files of %s/%s", child_id, copied, run_id, name)
     lineage = RunLineage(parent_run_id=run_id, parent_checkpoint=name)
     inp = TrainingInput(
-        run_id=child_id, config=cfg.model_dump(mode="json"), plan=loop_plan(cfg), resume=state, restore=True, lineage=lineage,
+        run_id=child_id,
+        config=cfg.model_dump(mode="json"),
+        plan=loop_plan(cfg),
+        resume=state,
+        restore=True,
+        lineage=lineage,
         restore_from=name,  # progress reads `restoring from <name>` until the first step
     )
     memo = {"tags": cfg.tracking.tags, "model": cfg.model.path, "steps": cfg.loop.steps, "parent": f"{run_id}/{name}"}

@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 KEY_FILE_VAR = "RATCHET_PAYLOAD_KEY_FILE"
 KEY_FILE_NAME = "payload.key"
 _KEY_BYTES = 32
-_FIX_CREATE = f"remove it and let ratchet create a new one (every process must then use the new file), or point {KEY_FILE_VAR} at the right file"
+_FIX_CREATE = (
+    f"remove it and let ratchet create a new one (every process must then use the new file), or point {KEY_FILE_VAR} at the right file"
+)
 
 
 class PayloadKeyError(ValueError):
@@ -104,7 +106,9 @@ def load_key(path: str | os.PathLike | None = None, *, create: bool = True) -> P
         try:
             _create(path)
         except OSError as exc:
-            raise PayloadKeyError(f"cannot create the payload key {path} ({exc.strerror}); set {KEY_FILE_VAR} to a file you can write") from None
+            raise PayloadKeyError(
+                f"cannot create the payload key {path} ({exc.strerror}); set {KEY_FILE_VAR} to a file you can write"
+            ) from None
     try:
         st = os.stat(path)  # follows links: a Kubernetes Secret file is one
     except FileNotFoundError:

@@ -121,7 +121,11 @@ def start_pipeline(client: "Client", cfg: RunConfig, run_id: str, *, check_files
     kinds = " -> ".join(s.kind for s in cfg.stages)
     client._run(
         client._temporal.start_workflow(
-            WORKFLOW, inp, id=run_id, task_queue=client.task_queue, static_summary=f"pipeline {run_id}: {kinds}",
+            WORKFLOW,
+            inp,
+            id=run_id,
+            task_queue=client.task_queue,
+            static_summary=f"pipeline {run_id}: {kinds}",
             memo={"tags": cfg.tracking.tags, "model": cfg.model.path, "stages": kinds},
         )  # fmt: skip
     )
@@ -153,7 +157,11 @@ def follow_pipeline(handle: PipelineHandle, console, every: float = 1.0) -> Pipe
 
 
 # The metric each kind of stage is judged by, first in the line.
-_HEADLINE = {"sft": ("eval/loss", "train/loss"), "dpo": ("eval/reward_accuracy", "eval/reward_margin", "train/loss"), "rl": ("reward_mean", "eval_reward")}
+_HEADLINE = {
+    "sft": ("eval/loss", "train/loss"),
+    "dpo": ("eval/reward_accuracy", "eval/reward_margin", "train/loss"),
+    "rl": ("reward_mean", "eval_reward"),
+}
 
 
 def _metric_text(r) -> str:

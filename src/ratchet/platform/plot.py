@@ -128,7 +128,10 @@ def plot_runs(runs: Sequence[RunCurves], out: str | Path) -> Path:
                 drawn = True
         _finish(ax, title, "step", drawn, key)
     _phase_panel(axes[6], runs, colors)
-    for ax, (title, key) in ((axes[7], ("reward against wall-clock", "reward_mean")), (axes[8], ("step time against wall-clock (s)", "step_seconds"))):
+    for ax, (title, key) in (
+        (axes[7], ("reward against wall-clock", "reward_mean")),
+        (axes[8], ("step time against wall-clock (s)", "step_seconds")),
+    ):
         drawn = False
         for run, color in zip(runs, colors):
             xs, ys = run.minutes(key)
@@ -164,7 +167,9 @@ def _phase_panel(ax, runs: Sequence[RunCurves], colors: list[str]) -> None:
         from matplotlib.lines import Line2D
 
         present = [(label, style) for label, key, style in PHASES if any(any(r.series(key)[1]) for r in runs)]
-        ax.legend([Line2D([], [], color="0.3", linestyle=s) for _, s in present], [lbl for lbl, _ in present], fontsize=8, loc="upper right")
+        ax.legend(
+            [Line2D([], [], color="0.3", linestyle=s) for _, s in present], [lbl for lbl, _ in present], fontsize=8, loc="upper right"
+        )
     _finish(ax, "step time per phase (s)", "step", drawn, "generate/score/train/sync_seconds")
 
 

@@ -100,7 +100,9 @@ def check_services(temporal: str, ray: str | None, wait_s: float = 0.0, every_s:
             return
         error = ServiceUnreachable(problems, TEMPORAL_FIX if problems[0][0].startswith("Temporal") else RAY_FIX)
         if len(problems) == 2:
-            error = ServiceUnreachable(problems, "start the services with `ratchet up` (or set RATCHET_TEMPORAL_ADDRESS and RATCHET_RAY_ADDRESS)")
+            error = ServiceUnreachable(
+                problems, "start the services with `ratchet up` (or set RATCHET_TEMPORAL_ADDRESS and RATCHET_RAY_ADDRESS)"
+            )
         if time.monotonic() >= deadline:
             raise error
         if not said:

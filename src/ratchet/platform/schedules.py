@@ -52,7 +52,9 @@ class ScheduleRow:
     paused: bool
 
 
-def launch_input(client: "Client", schedule_id: str, *, config: Any = None, sweep: Any = None, overrides: Sequence[str] = ()) -> LaunchInput:
+def launch_input(
+    client: "Client", schedule_id: str, *, config: Any = None, sweep: Any = None, overrides: Sequence[str] = ()
+) -> LaunchInput:
     """The schedule's action input: a validated run (config) or sweep (sweep spec)."""
     from ratchet.config import load_config
 
@@ -143,4 +145,14 @@ def launched_runs(client: "Client", schedule_id: str) -> list[str]:
     return [launched_id(a.action.workflow_id) for a in desc.info.recent_actions if hasattr(a.action, "workflow_id")]
 
 
-__all__ = ["ScheduleError", "ScheduleRow", "create_schedule", "delete_schedule", "launch_input", "launched_runs", "list_schedules", "parse_interval", "trigger_schedule"]
+__all__ = [
+    "ScheduleError",
+    "ScheduleRow",
+    "create_schedule",
+    "delete_schedule",
+    "launch_input",
+    "launched_runs",
+    "list_schedules",
+    "parse_interval",
+    "trigger_schedule",
+]

@@ -119,9 +119,7 @@ async def registered_attributes(temporal_client) -> dict[str, int]:
     """The namespace's custom search attributes (name -> IndexedValueType)."""
     from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 
-    resp = await temporal_client.operator_service.list_search_attributes(
-        ListSearchAttributesRequest(namespace=temporal_client.namespace)
-    )
+    resp = await temporal_client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=temporal_client.namespace))
     return dict(resp.custom_attributes)
 
 

@@ -43,7 +43,9 @@ async def _list(temporal, limit: int) -> tuple[list[RunInFlight], int]:
             steps = await w.memo_value("steps", None)
         except Exception:  # noqa: BLE001 - a memo not sealed with our key (an older server's run, a stranger's): no count
             steps = None
-        runs.append(RunInFlight(found.run_id, found.status or "running", found.step, steps if isinstance(steps, int) else None, found.start_time))
+        runs.append(
+            RunInFlight(found.run_id, found.status or "running", found.step, steps if isinstance(steps, int) else None, found.start_time)
+        )
     total = len(runs)
     if total == limit:  # there may be more: count them (one cheap call)
         total = (await temporal.count_workflows(_QUERY)).count
@@ -80,7 +82,9 @@ def _ago(since: datetime | None, now: datetime) -> str:
     if since is None:
         return "-"
     s = max(0, int((now - since).total_seconds()))
-    span = f"{s} s" if s < 60 else f"{s // 60} min" if s < 3600 else f"{s // 3600} h {s % 3600 // 60} min" if s < 86400 else f"{s // 86400} d"
+    span = (
+        f"{s} s" if s < 60 else f"{s // 60} min" if s < 3600 else f"{s // 3600} h {s % 3600 // 60} min" if s < 86400 else f"{s // 86400} d"
+    )
     return f"{since.astimezone(timezone.utc):%Y-%m-%d %H:%M:%S} UTC ({span} ago)"
 
 
@@ -109,7 +113,11 @@ def print_services(console: Console, st: ServicesStatus, started: list[str] | No
     lines = [
         _service_line("temporal", st.temporal.running, st.temporal_address, _note(st.temporal, fix)),
         _service_line("Temporal UI", st.temporal.running, st.temporal_ui_url),
-        *([_service_line("codec server", st.codec_server.running, st.codec_server.address, st.codec_server.detail)] if st.codec_server else []),
+        *(
+            [_service_line("codec server", st.codec_server.running, st.codec_server.address, st.codec_server.detail)]
+            if st.codec_server
+            else []
+        ),
         _service_line("ray", st.ray.running, st.ray_address, _note(st.ray, fix, f"{st.ray_auth_mode} auth" if st.ray_auth_mode else "")),
         *[_service_line(n.name, n.running, n.address, _note(n, "`ratchet up` starts it again")) for n in st.nodes],
     ]

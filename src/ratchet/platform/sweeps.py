@@ -51,7 +51,11 @@ def sweep_plan(spec: "SweepSpec") -> SweepPlan:
 
 
 def prepare_sweep(
-    spec: "str | Path | Mapping[str, Any] | SweepSpec", overrides: Sequence[str] = (), *, sweep_id: str | None = None, search_attributes: bool = False
+    spec: "str | Path | Mapping[str, Any] | SweepSpec",
+    overrides: Sequence[str] = (),
+    *,
+    sweep_id: str | None = None,
+    search_attributes: bool = False,
 ) -> SweepInput:
     """The workflow input for `spec` (a YAML path, a mapping or a SweepSpec) plus overrides
     (`sweep.KEY=V` for the spec, `KEY=V` for the base run config); SweepSpecError, naming
@@ -84,9 +88,7 @@ def start_sweep(client: "Client", spec, overrides: Sequence[str] = (), *, sweep_
     check_new_sweep_id(client, inp.sweep_id, trial_run_id(inp.sweep_id, 0), inp.base_config["storage"]["root"])
     p = inp.plan
     summary = f"sweep {inp.spec['name']}: {p.trials} trials ({inp.spec['search']}), {p.parallelism} at once, objective {inp.spec['objective']['metric']}"
-    client._run(
-        client._temporal.start_workflow(SWEEP_WORKFLOW, inp, id=inp.sweep_id, task_queue=client.task_queue, static_summary=summary)
-    )
+    client._run(client._temporal.start_workflow(SWEEP_WORKFLOW, inp, id=inp.sweep_id, task_queue=client.task_queue, static_summary=summary))
     return SweepHandle(client, inp.sweep_id)
 
 

@@ -59,7 +59,11 @@ def trials_table(trials: Sequence[TrialResult], title: str, best: TrialResult | 
 def summary_view(summary: SweepSummary) -> Group:
     best = summary.best
     head = f"sweep [bold]{summary.sweep_id}[/bold]: {summary.status}, {len(summary.trials)} trials"
-    head += f"; best: trial {best.trial_index} ({best.run_id}) objective {_fmt(best.objective)} with {_params(best.params)}" if best else "; no completed trial"
+    head += (
+        f"; best: trial {best.trial_index} ({best.run_id}) objective {_fmt(best.objective)} with {_params(best.params)}"
+        if best
+        else "; no completed trial"
+    )
     return Group(head, trials_table(summary.trials, "trials", best))
 
 
@@ -97,5 +101,7 @@ def registry_trials_table(sweep: Any, trials: Sequence[Any]) -> Table:
         text_column(table, col)
     for t in trials:
         mark = " [green]best[/green]" if t.trial_index == sweep.best_trial_index else ""
-        table.add_row(f"{t.trial_index}{mark}", t.run_id or "-", t.state, _fmt(t.objective_value), str(t.last_reported_step or "-"), _params(t.params))
+        table.add_row(
+            f"{t.trial_index}{mark}", t.run_id or "-", t.state, _fmt(t.objective_value), str(t.last_reported_step or "-"), _params(t.params)
+        )
     return table

@@ -121,9 +121,7 @@ def namespace_from_env(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     new, old = _get(env, NAMESPACE_VAR), _get(env, LEGACY_NAMESPACE_VAR)
     if new and old and new != old:
-        raise TemporalConnectionError(
-            f"{NAMESPACE_VAR}={new!r} and {LEGACY_NAMESPACE_VAR}={old!r} disagree; set only {NAMESPACE_VAR}"
-        )
+        raise TemporalConnectionError(f"{NAMESPACE_VAR}={new!r} and {LEGACY_NAMESPACE_VAR}={old!r} disagree; set only {NAMESPACE_VAR}")
     return new or old or "default"
 
 
@@ -154,9 +152,7 @@ def _read_pem(env: Mapping[str, str], name: str) -> tuple[bytes, str] | None:
     # "-----BEGIN CERTIFICATE-----"; keys: "-----BEGIN [RSA |EC ]PRIVATE KEY-----".
     if b"-----BEGIN " not in data or f"{marker}-----".encode() not in data:
         # Never echo the content: it may be a private key in the wrong variable.
-        raise TemporalConnectionError(
-            f"{name}={path}: not a PEM file holding a {marker.lower()} (no '-----BEGIN ...{marker}-----' line)"
-        )
+        raise TemporalConnectionError(f"{name}={path}: not a PEM file holding a {marker.lower()} (no '-----BEGIN ...{marker}-----' line)")
     return data, path
 
 
@@ -170,15 +166,15 @@ def from_env(env: Mapping[str, str] | None = None, *, namespace: str | None = No
     key = _read_pem(env, KEY_VAR)
     if (cert is None) != (key is None):
         have, missing = (CERT_VAR, KEY_VAR) if key is None else (KEY_VAR, CERT_VAR)
-        raise TemporalConnectionError(
-            f"{have} is set but {missing} is not; mTLS needs both the client certificate and its private key"
-        )
+        raise TemporalConnectionError(f"{have} is set but {missing} is not; mTLS needs both the client certificate and its private key")
     server_name = _get(env, SERVER_NAME_VAR)
     try:  # or the file RATCHET_TEMPORAL_API_KEY_FILE names (a mounted Secret)
         api_key = secret_value(API_KEY_VAR, env)
     except SecretFileError as exc:
         raise TemporalConnectionError(str(exc)) from None
-    wants_tls = [n for n, v in ((CA_VAR, ca), (CERT_VAR, cert), (KEY_VAR, key), (SERVER_NAME_VAR, server_name), (API_KEY_VAR, api_key)) if v]
+    wants_tls = [
+        n for n, v in ((CA_VAR, ca), (CERT_VAR, cert), (KEY_VAR, key), (SERVER_NAME_VAR, server_name), (API_KEY_VAR, api_key)) if v
+    ]
     if flag is False and wants_tls:
         raise TemporalConnectionError(
             f"{TLS_VAR}=false, but {', '.join(wants_tls)} need TLS (an API key must not travel in plain text); "

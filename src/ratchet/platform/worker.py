@@ -216,7 +216,9 @@ def _quiet_runtime(retries: _QuietRetries):
     core_log.addFilter(retries)
     return Runtime(
         telemetry=TelemetryConfig(
-            logging=LoggingConfig(filter=TelemetryFilter(core_level="WARN", other_level="ERROR"), forwarding=LogForwardingConfig(logger=core_log))
+            logging=LoggingConfig(
+                filter=TelemetryFilter(core_level="WARN", other_level="ERROR"), forwarding=LogForwardingConfig(logger=core_log)
+            )
         )
     )
 
@@ -300,7 +302,9 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
             pass
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
     worker = build_worker(client, settings, executor)
-    log.info("worker on %s (queue %s), Ray at %s, pid %d", settings.temporal_address, settings.task_queue, settings.ray_address, os.getpid())
+    log.info(
+        "worker on %s (queue %s), Ray at %s, pid %d", settings.temporal_address, settings.task_queue, settings.ray_address, os.getpid()
+    )
     running = asyncio.ensure_future(worker.run())
     namespace = "" if settings.namespace == "default" else f" (namespace {settings.namespace})"
     status_log.info(
@@ -365,7 +369,9 @@ async def _watch_server(
             now = time.monotonic()
             if reason is None:
                 if service in lost_at:
-                    status_log.warning("the %s at %s is reachable again after %.0f s: serving", service, address, now - lost_at.pop(service))
+                    status_log.warning(
+                        "the %s at %s is reachable again after %.0f s: serving", service, address, now - lost_at.pop(service)
+                    )
                     retries.server_lost = "Temporal server" in lost_at
                 continue
             if service not in lost_at:

@@ -291,9 +291,7 @@ class Registry:
             self.record_checkpoint(run_id, c.step, c.name, c.uri, c.created_at)
         names = [c.name for c in committed]
         with self.engine.begin() as conn:
-            conn.execute(
-                Checkpoint.__table__.delete().where(Checkpoint.run_id == run_id, Checkpoint.name.not_in(names))
-            )
+            conn.execute(Checkpoint.__table__.delete().where(Checkpoint.run_id == run_id, Checkpoint.name.not_in(names)))
 
     def checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         q = select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step, Checkpoint.name)
@@ -315,8 +313,13 @@ class Registry:
             "objective": record.objective,
             "direction": record.direction,
         }
-        values = {"sweep_id": record.sweep_id, **described, "best_trial_index": record.best_trial_index,
-                  "created_at": now, "updated_at": now}
+        values = {
+            "sweep_id": record.sweep_id,
+            **described,
+            "best_trial_index": record.best_trial_index,
+            "created_at": now,
+            "updated_at": now,
+        }
         update: dict[str, Any] = {k: (lambda ex, k=k: getattr(ex, k)) for k in described}
         if not record.spec:
             del update["spec"]  # a status-only write keeps the spec

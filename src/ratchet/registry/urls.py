@@ -68,9 +68,7 @@ def parse(url: str) -> "URL":
             "sqlite:////path/registry.db or postgresql+psycopg://user:password@host:5432/db"
         ) from None
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
-        raise RegistryURLError(
-            f"the registry ({ENV}) supports sqlite and postgresql, got {parsed.get_backend_name()!r}"
-        )
+        raise RegistryURLError(f"the registry ({ENV}) supports sqlite and postgresql, got {parsed.get_backend_name()!r}")
     if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in ("", "psycopg2"):
         # psycopg (3) is the driver ratchet ships; psycopg2 is not installed.
         parsed = parsed.set(drivername="postgresql+psycopg")

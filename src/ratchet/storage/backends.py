@@ -22,6 +22,7 @@ from typing import BinaryIO, Protocol
 MIN_PART_SIZE = 5 << 20  # S3 refuses smaller multipart parts (except the last)
 MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
 
+
 class Backend(Protocol):
     """Single-attempt operations on full paths. Writes are atomic: a reader sees the old
     object or the new one, never a part; a failed write leaves the old one (or nothing)."""

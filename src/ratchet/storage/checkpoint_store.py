@@ -556,7 +556,11 @@ class CheckpointStore:
         for info in doomed:
             if self._tidy(f"deleting checkpoint {info.name}", self.delete, info.name) is not _FAILED:
                 deleted.append(info.name)
-        newest = self._tidy("reading the newest manifest's time", self.store.modified, self._key(committed[-1].name, MANIFEST)) if committed else _FAILED
+        newest = (
+            self._tidy("reading the newest manifest's time", self.store.modified, self._key(committed[-1].name, MANIFEST))
+            if committed
+            else _FAILED
+        )
         if newest is not _FAILED:
             gone = {c.name for c in doomed}
             for what, step in (
@@ -565,7 +569,9 @@ class CheckpointStore:
             ):
                 done = self._tidy(what, step)
                 deleted += done if done is not _FAILED else []
-        removed = self._tidy("deleting leftovers of interrupted writes", self.store.clean_leftovers, self.prefix, older_than_s=leftover_age_s)
+        removed = self._tidy(
+            "deleting leftovers of interrupted writes", self.store.clean_leftovers, self.prefix, older_than_s=leftover_age_s
+        )
         if removed is not _FAILED:
             deleted += removed
             emptied = self._tidy("removing emptied folders", self._drop_emptied, removed)

@@ -129,9 +129,7 @@ class FsspecBackend:
             try:
 
                 def one(number: int, data: bytes) -> dict:
-                    out = self.fs.call_s3(
-                        "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
-                    )
+                    out = self.fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data)
                     return {"PartNumber": number, "ETag": out["ETag"]}
 
                 parts = upload_parts(stream, size, part_size, self.concurrency, one)

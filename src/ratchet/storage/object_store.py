@@ -369,9 +369,7 @@ class ObjectStore:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
             stop=tenacity.stop_after_delay(self.retry_timeout_s if retry else 0),
-            wait=tenacity.wait_exponential_jitter(
-                initial=self.retry_initial_s, max=self.retry_max_s, jitter=self.retry_initial_s / 2
-            ),
+            wait=tenacity.wait_exponential_jitter(initial=self.retry_initial_s, max=self.retry_max_s, jitter=self.retry_initial_s / 2),
             before_sleep=lambda state: self._log_retry(op, key, state),
             reraise=True,
         )

@@ -22,8 +22,11 @@ ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN")
 CREDENTIALS_FILE_VAR = "AWS_SHARED_CREDENTIALS_FILE"
 # The file's option for each variable (the AWS CLI's names).
-_FILE_KEYS = {"AWS_ACCESS_KEY_ID": "aws_access_key_id", "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key", "AWS_SESSION_TOKEN": "aws_session_token"}
-
+_FILE_KEYS = {
+    "AWS_ACCESS_KEY_ID": "aws_access_key_id",
+    "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
+    "AWS_SESSION_TOKEN": "aws_session_token",
+}
 
 
 class StorageConfigError(ValueError):
@@ -44,9 +47,13 @@ def file_credentials() -> dict[str, str]:
         with open(os.path.expanduser(path)) as f:
             parser.read_file(f)
     except (OSError, configparser.Error, UnicodeDecodeError) as exc:
-        raise StorageConfigError(f"{CREDENTIALS_FILE_VAR}={path}: cannot read it ({type(exc).__name__}); mount the credentials file there") from None
+        raise StorageConfigError(
+            f"{CREDENTIALS_FILE_VAR}={path}: cannot read it ({type(exc).__name__}); mount the credentials file there"
+        ) from None
     if not parser.has_section(profile):
-        raise StorageConfigError(f"{CREDENTIALS_FILE_VAR}={path} has no [{profile}] section (AWS_PROFILE); write the keys under [{profile}]")
+        raise StorageConfigError(
+            f"{CREDENTIALS_FILE_VAR}={path} has no [{profile}] section (AWS_PROFILE); write the keys under [{profile}]"
+        )
     section = parser[profile]
     return {var: section[opt].strip() for var, opt in _FILE_KEYS.items() if section.get(opt, "").strip()}
 
@@ -95,13 +102,11 @@ class S3Settings:
             parts = urlsplit(endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise StorageConfigError(
-                    f"{url}: {endpoint_var} must look like http://host:port or https://host:port "
-                    "(the scheme decides TLS)"
+                    f"{url}: {endpoint_var} must look like http://host:port or https://host:port (the scheme decides TLS)"
                 )
             if parts.username or parts.password:
                 raise StorageConfigError(
-                    f"{url}: {endpoint_var} must not embed credentials; "
-                    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY instead"
+                    f"{url}: {endpoint_var} must not embed credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY instead"
                 )
             if parts.path not in ("", "/"):
                 raise StorageConfigError(f"{url}: {endpoint_var} must not have a path (path-style endpoint: scheme://host:port)")

@@ -112,8 +112,10 @@ class CallCgroup:
                 self._v2_limits()
         except OSError as e:
             self.remove()
-            raise CgroupUnavailable(f"cannot make a control group ({e.filename}: {e.strerror}); the sandbox needs write "
-                                    "access to the cgroup file system (run the worker as root or in a delegated group)") from None
+            raise CgroupUnavailable(
+                f"cannot make a control group ({e.filename}: {e.strerror}); the sandbox needs write "
+                "access to the cgroup file system (run the worker as root or in a delegated group)"
+            ) from None
         except CgroupUnavailable:
             self.remove()
             raise

@@ -70,7 +70,8 @@ class CodeRunner:
         if self.unsafe_local:
             log.warning(
                 "code runner %s: unsafe_local is set: model code runs WITHOUT isolation (it can read this "
-                "worker's files and secrets, reach the network and outlive the call)", self.name
+                "worker's files and secrets, reach the network and outlive the call)",
+                self.name,
             )
             return
         try:

@@ -82,9 +82,7 @@ def parse_tools(data: Any, where: str = "tools_config") -> list[ToolSpec]:
 
 def _check_schema(schema: Any, at: str) -> None:
     if not isinstance(schema, Mapping) or schema.get("type", "function") != "function":
-        raise ValueError(
-            f"{at}: expected an OpenAI function schema {{type: function, function: {{name, parameters}}}}, got {schema!r}"
-        )
+        raise ValueError(f"{at}: expected an OpenAI function schema {{type: function, function: {{name, parameters}}}}, got {schema!r}")
     fn = schema.get("function")
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
         raise ValueError(f"{at}.function.name: a non-empty string is required (the name the model calls the tool by)")
@@ -96,9 +94,7 @@ def _check_schema(schema: Any, at: str) -> None:
         raise ValueError(f"{at}.function.parameters.properties: expected a mapping, got {props!r}")
     required = params.get("required") or []
     if not isinstance(required, list) or any(r not in props for r in required):
-        raise ValueError(
-            f"{at}.function.parameters.required: names must be listed in properties ({', '.join(props)}), got {required!r}"
-        )
+        raise ValueError(f"{at}.function.parameters.required: names must be listed in properties ({', '.join(props)}), got {required!r}")
 
 
 def load_tools_file(path: str | Path, where: str = "rollout.multi_turn.tools_config") -> list[ToolSpec]:
@@ -126,9 +122,7 @@ def build_tools(specs: list[ToolSpec], where: str = "rollout.multi_turn.tools") 
             raise ValueError(f"{at}.config: {e}") from None
         for member in ("name", "parameters", "timeout_s"):
             if not hasattr(tool, member):
-                raise ValueError(
-                    f"{at}.class_name: {spec.class_name} is not a tool: it has no {member!r} (ratchet.tools.base.Tool)"
-                )
+                raise ValueError(f"{at}.class_name: {spec.class_name} is not a tool: it has no {member!r} (ratchet.tools.base.Tool)")
         if tool.name in tools:
             raise ValueError(f"{at}: a second tool named {tool.name!r}")
         tools[tool.name] = tool

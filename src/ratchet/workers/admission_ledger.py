@@ -32,7 +32,7 @@ class Need:
     gpus: float = 0.0
 
     def text(self) -> str:
-        """"2 CPUs", "2 CPUs and 1 GPU", "1 GPU"."""
+        """ "2 CPUs", "2 CPUs and 1 GPU", "1 GPU"."""
         cpus = f"{self.cpus:g} CPU{'' if self.cpus == 1 else 's'}"
         gpus = f"{self.gpus:g} GPU{'' if self.gpus == 1 else 's'}"
         return gpus if self.gpus and not self.cpus else f"{cpus} and {gpus}" if self.gpus else cpus
@@ -70,9 +70,7 @@ class AdmissionLedger:
     """The grants and the queue; Ray runs its methods one at a time. `resources` gives
     (cluster totals, free now); injected by the unit tests, Ray's own by default."""
 
-    def __init__(
-        self, resources: Callable[[], tuple[Resources, Resources]] | None = None, *, clock=time.monotonic, wall=time.time
-    ):
+    def __init__(self, resources: Callable[[], tuple[Resources, Resources]] | None = None, *, clock=time.monotonic, wall=time.time):
         self._resources = resources or _ray_resources
         self._clock, self._wall = clock, wall
         self._granted: dict[str, Need] = {}
@@ -82,9 +80,7 @@ class AdmissionLedger:
 
     # -- asked by runs ----------------------------------------------------------------------
 
-    def request(
-        self, run_id: str, need: Need, queued_at: float = 0.0, held: Need | None = None, lease_s: float = LEASE_S
-    ) -> Admission:
+    def request(self, run_id: str, need: Need, queued_at: float = 0.0, held: Need | None = None, lease_s: float = LEASE_S) -> Admission:
         """Admit run `run_id` or keep (or put) it in the queue, renewing its place for
         `lease_s`. `queued_at`: when it first queued, if it did (a retry, a rebuilt ledger)."""
         if run_id in self._granted:

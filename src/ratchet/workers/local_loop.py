@@ -110,7 +110,12 @@ class LocalLoop:
             metrics.update(self.critic.update(batch, values, result.returns))
         t.append(time.perf_counter())
         # Bucket by bucket, gathered as the engine loads them (weight_sync): no model copy.
-        source = local_source(sync_view(self.trainer.model), engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=self.trainer.version)
+        source = local_source(
+            sync_view(self.trainer.model),
+            engine_dtype=self.cfg.model.dtype,
+            bucket_mb=self.cfg.trainer.sync_bucket_mb,
+            version=self.trainer.version,
+        )
         self.engine.load_weights(source.pairs())
         t.append(time.perf_counter())
         metrics.update(

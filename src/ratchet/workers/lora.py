@@ -96,7 +96,7 @@ def check_quantize(settings: LoraSettings, device: torch.device) -> None:
 
     key = "trainer.lora.quantize"
     if settings.quantize != "4bit":
-        raise ConfigError([(key, f"{settings.quantize!r} is not a quantization; use null or \"4bit\"")])
+        raise ConfigError([(key, f'{settings.quantize!r} is not a quantization; use null or "4bit"')])
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ConfigError([(key, (
             f"\"4bit\" (QLoRA) needs a CUDA GPU: bitsandbytes' 4-bit kernels do not run on {device.type}, where this "
@@ -253,8 +253,7 @@ def check_restore(model: torch.nn.Module, saved: dict | None, where: str) -> Non
     trained = {k: saved.get(k) for k in shape}
     if trained != shape:
         raise WrongBase(
-            f"{where} holds a LoRA adapter of {trained}, but trainer.lora makes {shape}: set trainer.lora as it was "
-            "trained to restore it"
+            f"{where} holds a LoRA adapter of {trained}, but trainer.lora makes {shape}: set trainer.lora as it was trained to restore it"
         )
 
 

@@ -199,7 +199,9 @@ class PolicyTrainer:
         self.lora = lora_settings(cfg)  # None: the whole policy trains
         # QLoRA's 4-bit base is not sharded with FSDP2: one rank, unwrapped (the config refuses more ranks).
         qlora = self.lora is not None and self.lora.quantize is not None
-        self.sharded = shard if shard is not None else (not qlora and (world_size > 1 or self.device.type == "cuda" or self.plan.mixed_precision))
+        self.sharded = (
+            shard if shard is not None else (not qlora and (world_size > 1 or self.device.type == "cuda" or self.plan.mixed_precision))
+        )
         if world_size > 1 and not self.sharded:
             raise ValueError("a trainer of more than one rank must be sharded")
         torch.manual_seed(cfg.seed)
@@ -274,9 +276,7 @@ class PolicyTrainer:
     def _global_normaliser(self, loss_mask: torch.Tensor) -> Normaliser:
         """Tokens and sequences that carry loss, over every rank: corrections that mask
         tokens out (decoupled, rejection) and dropped groups leave the denominator too."""
-        counts = torch.tensor(
-            [loss_mask.sum().item(), (loss_mask.sum(-1) > 0).sum().item()], dtype=torch.float64, device=self.device
-        )
+        counts = torch.tensor([loss_mask.sum().item(), (loss_mask.sum(-1) > 0).sum().item()], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(counts)
         return Normaliser(tokens=counts[0].item(), sequences=counts[1].item(), max_response_length=self.cfg.rollout.max_response_length)
@@ -471,4 +471,6 @@ class PolicyTrainer:
         if alg.kl.in_reward:
             metrics["kl_in_reward"] = kl_in_reward
         safe_lambda = safe.lam if safe is not None else safe_lambda
-        return StepResult(metrics=metrics, kl_coef=new_coef, advantages=adv_out.advantages, returns=adv_out.returns, safe_lambda=safe_lambda)
+        return StepResult(
+            metrics=metrics, kl_coef=new_coef, advantages=adv_out.advantages, returns=adv_out.returns, safe_lambda=safe_lambda
+        )

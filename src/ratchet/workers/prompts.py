@@ -16,9 +16,7 @@ SAMPLE_COLUMNS = ("data_source", "reward_model", "extra_info")
 
 
 class PromptSet:
-    def __init__(
-        self, path: str, tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 1024, prompt_format: str = "auto"
-    ):
+    def __init__(self, path: str, tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 1024, prompt_format: str = "auto"):
         table = read_dataset(path, [prompt_key, *SAMPLE_COLUMNS])
         if table.num_rows == 0:
             raise ValueError(f"{path}: no rows")

@@ -112,8 +112,7 @@ def score_batch(
             ) from None
         if not math.isfinite(value):  # at once: the rows after it are not scored
             raise NonFiniteError(
-                f"the {role} gave {value} at {sample_where(batch_index, row, info)}; {role.split()[0]}s must be finite numbers: "
-                f"fix {field}"
+                f"the {role} gave {value} at {sample_where(batch_index, row, info)}; {role.split()[0]}s must be finite numbers: fix {field}"
             )
         rewards.append(value)
     return torch.tensor(rewards, dtype=torch.float32), extras

@@ -53,9 +53,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     parameter names, and therefore checkpoints and weight sync, are unchanged;
     non-reentrant, which FSDP2 requires)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(
-            f"{type(model).__name__} does not support activation checkpointing; set trainer.activation_checkpointing=false"
-        )
+        raise ValueError(f"{type(model).__name__} does not support activation checkpointing; set trainer.activation_checkpointing=false")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # A KV cache is useless in training and conflicts with recomputation.
     model.config.use_cache = False

@@ -130,9 +130,7 @@ class _StageTrainer:
             policy_dir, opt_state = str(restored / HF_DIR), restored
         self.model = AutoModelForCausalLM.from_pretrained(policy_dir).to(self.device)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=stage.lr, weight_decay=stage.weight_decay, betas=tuple(stage.betas)
-        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=stage.weight_decay, betas=tuple(stage.betas))
         if opt_state is not None:
             _load_optimizer(self.optimizer, opt_state)
         self.reference = None
@@ -161,7 +159,9 @@ class _StageTrainer:
         for i, seq in enumerate(seqs):
             longest = max(len(e.input_ids) for e in seq)
             if longest > limit:
-                raise SupervisedDataError(f"{path}: row {i} is {longest} tokens long, over the stage's max_length={limit}; raise it or drop the row")
+                raise SupervisedDataError(
+                    f"{path}: row {i} is {longest} tokens long, over the stage's max_length={limit}; raise it or drop the row"
+                )
         return seqs
 
     def _rows(self, step: int) -> list:
@@ -301,5 +301,3 @@ def _load_optimizer(optimizer, folder: Path) -> None:
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 # Building a Hugging Face model for an export: one thread of the process at a time (_write_hf).
 _HF_BUILD_LOCK = threading.Lock()
 
+
 class TrainerWorker:
     # Ray creates the actor with these (placement.create_actor reads them from the class):
     # `published_weights` answers from a thread of its own, while an update runs; the
@@ -161,7 +162,9 @@ class TrainerWorker:
     def _sync_plan(self):
         t = self.trainer
         # sync_view: with LoRA, base + adapter merged under the base model's names (workers/lora.py).
-        return sync_plan(sync_view(t.model), engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=t.version)
+        return sync_plan(
+            sync_view(t.model), engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=t.version
+        )
 
     def _publish(self) -> None:
         """Put this version's buckets into the object store (rank 0; every rank gathers)."""
@@ -240,7 +243,10 @@ class TrainerWorker:
         if failure is not None:
             raise failure
         return StreamReport(
-            version=manifest.version, bytes=sent, buckets=len(manifest.buckets), seconds=time.perf_counter() - t0,
+            version=manifest.version,
+            bytes=sent,
+            buckets=len(manifest.buckets),
+            seconds=time.perf_counter() - t0,
             window_peak=relay.peak_stored if relay is not None else 0,
         )
 
@@ -351,7 +357,9 @@ class TrainerWorker:
                 write_behind.append(BackgroundCall(write, "write-update-log"))
         result.metrics["train_seconds"] = time.perf_counter() - t0
         result.metrics["lr"] = float(hyper["lr"])  # the learning rate this update used (live or the config's)
-        return TrainResult(policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef, safe_lambda=result.safe_lambda)
+        return TrainResult(
+            policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef, safe_lambda=result.safe_lambda
+        )
 
     # A batch handed over in memory (train_handed), kept with the update it went into.
     _handed: tuple[tuple[int, int], HandedStep] | None = None
@@ -425,7 +433,10 @@ class TrainerWorker:
         name = RunLayout.checkpoint_name(step)
         meta = {"step": step, "policy_version": self.trainer.version, "world_size": self.world_size}
         # For the HF export; with LoRA the adapter alone (the base stays where it is: workers/lora.py).
-        full = {k: v.clone() for k, v in (adapter_state(self.trainer.model) if getattr(self.trainer, "lora", None) else self.trainer.full_state()).items()}
+        full = {
+            k: v.clone()
+            for k, v in (adapter_state(self.trainer.model) if getattr(self.trainer, "lora", None) else self.trainer.full_state()).items()
+        }
         # Every rank holds the full weights here, so every rank refuses alike.
         check_finite_weights(full, f"the weights of policy v{self.trainer.version} (checkpoint {name})")
         snap = snapshot(self.trainer, meta)
@@ -499,7 +510,9 @@ class TrainerWorker:
             told = attempt(lambda: all_ranks(begun, snap.world_size, snap.process_group), collective=True)
             folder = told[0] if told else None  # None: rank 0 failed to begin, and reports it
             files = (attempt(lambda: ckpts.upload(name, local, folder)) if folder is not None else None) or {}
-            outcomes = attempt(lambda: all_ranks((failure[0] if failure else None, files), snap.world_size, snap.process_group), collective=True)
+            outcomes = attempt(
+                lambda: all_ranks((failure[0] if failure else None, files), snap.world_size, snap.process_group), collective=True
+            )
             if outcomes is None:  # the exchange itself failed: the ranks cannot agree on anything
                 self._checkpoint_error = "; ".join(failure)
                 return

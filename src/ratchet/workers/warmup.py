@@ -62,6 +62,7 @@ def warmup_policy(cfg, base_model_path: str, run_uri: str) -> WarmupResult:
 
     configure_worker_process(cfg.resources.torch_threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer  # after configure_worker_process: see hf_imports.py
+
     run = ObjectStore(run_uri)
     model_key, losses_key = RunLayout.WARMUP_MODEL, RunLayout.WARMUP_LOSSES
     if run.exists(f"{model_key}/{MANIFEST}") and run.exists(losses_key):

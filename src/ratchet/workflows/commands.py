@@ -29,7 +29,5 @@ def accepted(signal: str, command: RunCommand | None) -> bool:
         why = f"with a command refused ({refusal})"
     if not workflow.patched(PATCH):
         return True  # replaying a history from before the check: the signal was accepted then
-    workflow.logger.warning(
-        "signal %r %s: ignored; send it with ratchet's client, which holds the payload key", signal, why
-    )
+    workflow.logger.warning("signal %r %s: ignored; send it with ratchet's client, which holds the payload key", signal, why)
     return False

@@ -52,7 +52,14 @@ class ScheduledLaunchWorkflow:
             return LaunchOutput(wid, {"steps": result.steps, "reward_last10": result.reward_last10, "stopped": result.stopped})
         sweep = replace(inp.sweep, sweep_id=wid)
         summary = await workflow.execute_child_workflow(
-            "SweepWorkflow", sweep, id=wid, result_type=SweepSummary, parent_close_policy=close, static_summary=f"sweep {wid} (schedule {inp.schedule_id})"
+            "SweepWorkflow",
+            sweep,
+            id=wid,
+            result_type=SweepSummary,
+            parent_close_policy=close,
+            static_summary=f"sweep {wid} (schedule {inp.schedule_id})",
         )
         best = summary.best
-        return LaunchOutput(wid, {"status": summary.status, "trials": len(summary.trials), "best_trial": best.trial_index if best else None})
+        return LaunchOutput(
+            wid, {"status": summary.status, "trials": len(summary.trials), "best_trial": best.trial_index if best else None}
+        )

@@ -146,8 +146,15 @@ class SupervisedStageWorkflow:
             out: ChunkOutput = await workflow.execute_activity(
                 "supervised_chunk",
                 ChunkInput(
-                    run_id=inp.run_id, storage_root=inp.storage_root, stage_index=inp.stage_index, stage=inp.stage,
-                    model_uri=inp.model_uri, start=state.next_step, end=end, seed=inp.seed, torch_threads=inp.torch_threads,
+                    run_id=inp.run_id,
+                    storage_root=inp.storage_root,
+                    stage_index=inp.stage_index,
+                    stage=inp.stage,
+                    model_uri=inp.model_uri,
+                    start=state.next_step,
+                    end=end,
+                    seed=inp.seed,
+                    torch_threads=inp.torch_threads,
                     cpus=inp.cpus,
                 ),  # fmt: skip
                 result_type=ChunkOutput,

@@ -84,8 +84,7 @@ def dev_server_flags() -> list[str]:
 def create_commands(namespace: str = "default") -> list[str]:
     """The `temporal operator` commands that create the keys on a cluster's namespace."""
     return [
-        f"temporal operator search-attribute create --namespace {namespace} --name {key.name} --type {type_name(key)}"
-        for key in ALL_KEYS
+        f"temporal operator search-attribute create --namespace {namespace} --name {key.name} --type {type_name(key)}" for key in ALL_KEYS
     ]
 
 
@@ -204,18 +203,24 @@ def static_details(run_id: str, config: Mapping[str, Any], lineage: RunLineage |
     lineage = lineage or RunLineage()
     lines = [f"**ratchet run** `{run_id}`", ""]
     tags = _get(config, "tracking.tags") or []
-    lines.append(f"- experiment: `{_get(config, 'tracking.experiment', 'default')}`" + (f", tags: {', '.join(map(str, tags))}" if tags else ""))
+    lines.append(
+        f"- experiment: `{_get(config, 'tracking.experiment', 'default')}`" + (f", tags: {', '.join(map(str, tags))}" if tags else "")
+    )
     for label, dotted in _DETAIL_KEYS:
         value = _get(config, dotted)
         if value is not None:
             lines.append(f"- {label}: `{json.dumps(value) if isinstance(value, bool) else value}`")
     if lineage.parent_run_id:
-        lines.append(f"- forked from: `{lineage.parent_run_id}`" + (f" at `{lineage.parent_checkpoint}`" if lineage.parent_checkpoint else ""))
+        lines.append(
+            f"- forked from: `{lineage.parent_run_id}`" + (f" at `{lineage.parent_checkpoint}`" if lineage.parent_checkpoint else "")
+        )
     if lineage.sweep_id:
         lines.append(f"- sweep: `{lineage.sweep_id}`, trial {lineage.trial_index}")
     unsafe = unsafe_tools(config)
     if unsafe:
-        lines.append(f"- **UNSAFE**: tool(s) {', '.join(f'`{n}`' for n in unsafe)} run model code without the sandbox (`unsafe_local: true`)")
+        lines.append(
+            f"- **UNSAFE**: tool(s) {', '.join(f'`{n}`' for n in unsafe)} run model code without the sandbox (`unsafe_local: true`)"
+        )
     return "\n".join(lines)
 
 

@@ -147,7 +147,9 @@ class SweepWorkflow:
             running=sorted(self._running),
             finished=[self._results[k] for k in sorted(self._results)],
             best=self._best(),
-            rung_values={str(r): {str(k): v for k, v in sorted(vals.items()) if v is not None} for r, vals in sorted(self._rung_values.items())},
+            rung_values={
+                str(r): {str(k): v for k, v in sorted(vals.items()) if v is not None} for r, vals in sorted(self._rung_values.items())
+            },
         )
 
     # -- the sweep ---------------------------------------------------------------------------
@@ -192,7 +194,9 @@ class SweepWorkflow:
     async def _trial(self, k: int) -> None:
         inp = self._inp
         run_id = trial_run_id(inp.sweep_id, k)
-        finish = FinishTrialInput(sweep_id=inp.sweep_id, spec=inp.spec, trial_index=k, run_id=run_id, storage_root="", params={}, state="failed")
+        finish = FinishTrialInput(
+            sweep_id=inp.sweep_id, spec=inp.spec, trial_index=k, run_id=run_id, storage_root="", params={}, state="failed"
+        )
         try:
             try:
                 plan: TrialPlan = await self._act("plan_trial", PlanTrialInput(inp.sweep_id, inp.spec, inp.base_config, k), TrialPlan)
@@ -225,7 +229,11 @@ class SweepWorkflow:
         inp = self._inp
         lineage = RunLineage(sweep_id=inp.sweep_id, trial_index=k)
         child_input = TrainingInput(
-            run_id=plan.run_id, config=plan.config, plan=plan.plan, lineage=lineage, search_attributes=inp.search_attributes,
+            run_id=plan.run_id,
+            config=plan.config,
+            plan=plan.plan,
+            lineage=lineage,
+            search_attributes=inp.search_attributes,
             hold_at_steps=list(inp.plan.rungs) if self._trials_hold else [],
         )
         extra = {}

@@ -742,7 +742,12 @@ class TrainingWorkflow:
         trained: TrainOutput = await self._call(
             "train",
             TrainInput(
-                state.run, first, state.policy_version, kl_coef=state.kl_coef, parts=len(rounds), live=dict(state.live.values),
+                state.run,
+                first,
+                state.policy_version,
+                kl_coef=state.kl_coef,
+                parts=len(rounds),
+                live=dict(state.live.values),
                 safe_lambda=state.safe_lambda,
             ),
             TrainOutput,
@@ -851,8 +856,12 @@ class TrainingWorkflow:
         label = status or ("paused" if self._held_at_boundary else sa.Status.RUNNING)
         workflow.set_current_details(
             sa.current_details(
-                phase=label, step=s.next_step, total_steps=plan.steps, policy_version=s.policy_version,
-                reward=s.latest_reward, eval_reward=eval_reward,
+                phase=label,
+                step=s.next_step,
+                total_steps=plan.steps,
+                policy_version=s.policy_version,
+                reward=s.latest_reward,
+                eval_reward=eval_reward,
             )  # fmt: skip
         )
         if self._search_attributes and workflow.patched(SEARCH_ATTRIBUTES):

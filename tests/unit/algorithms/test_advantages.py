@@ -309,8 +309,13 @@ def test_new_estimators_finite_on_degenerate_batches(name):
     # one sequence, all-masked rows, huge rewards, NaN garbage on padding
     rewards = torch.tensor([[1e6, float("nan")], [0.0, 0.0], [3.0, 0.0]])
     mask = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
-    inputs = AdvInputs(rewards, mask, torch.tensor([0, 0, 1]), values=torch.full((3, 2), float("nan")).masked_fill(mask.bool(), 0.5),
-                       baseline_rewards=torch.zeros(3))
+    inputs = AdvInputs(
+        rewards,
+        mask,
+        torch.tensor([0, 0, 1]),
+        values=torch.full((3, 2), float("nan")).masked_fill(mask.bool(), 0.5),
+        baseline_rewards=torch.zeros(3),
+    )
     out = ADV_ESTIMATORS.get(name).fn(inputs, AdvParams())
     assert finite(out.advantages, out.returns)
     assert out.advantages[1].abs().sum().item() == 0.0 and out.advantages[:, 1].abs().sum().item() == 0.0

@@ -149,9 +149,7 @@ def test_opo_length_weighted_baseline_by_hand():
     #   b = (2*1 + 1*0 + 3*4) / (2 + 1 + 3) = 14/6 = 7/3  (the plain mean would be 5/3)
     #   A = 1 - 7/3 = -4/3, 0 - 7/3 = -7/3, 4 - 7/3 = 5/3
     # group 1: row 3 alone keeps its score 2 (verl); group 2: rows 4, 5 both empty -> 0
-    mask = torch.tensor(
-        [[1.0, 1, 0, 0], [1, 0, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
-    )
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]])
     out = outcome("opo", [1.0, 0.0, 4.0, 2.0, 3.0, 3.0], [0, 0, 0, 1, 2, 2], mask)
     close(
         out.advantages,
@@ -237,7 +235,9 @@ def test_optimal_token_baseline_by_hand():
     close(out.returns, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     # the same with a tool output between a's first and second token: token k still lines up with k
     holed = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
-    inputs = otb_inputs(holed, [1.0, 0.0], [[0.5, 0.01, 0.5, 0.5], [0.25, 0.25, 1.0, 1.0]], [[0.5, 3.0, 0.5, 0.5], [0.25, 0.25, 1.0, 1.0]], [0, 0])
+    inputs = otb_inputs(
+        holed, [1.0, 0.0], [[0.5, 0.01, 0.5, 0.5], [0.25, 0.25, 1.0, 1.0]], [[0.5, 3.0, 0.5, 0.5], [0.25, 0.25, 1.0, 1.0]], [0, 0]
+    )
     out = run("tir_optimal_token_baseline", inputs)
     close(out.advantages, [[0.6, 0.0, 0.6, 1.0], [-0.4, -0.4, 0.0, 0.0]], atol=1e-6)
 

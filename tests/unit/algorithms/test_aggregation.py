@@ -66,9 +66,7 @@ def test_masked_mean():
 
 # A 4-row batch whose halves have very different token counts (5 and 1 tokens): averaging
 # per micro-batch would weigh the short half's token 5x more.
-BIG_LOSS = torch.tensor(
-    [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0], [10.0, 11.0, 12.0]]
-)
+BIG_LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0], [10.0, 11.0, 12.0]])
 BIG_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
 
 # full batch: tokens 6, sequences 4; masked sum 1+2+3+4+5+7 = 22

@@ -81,22 +81,46 @@ def test_old_keys_keep_their_meaning_and_the_config_round_trips(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "path", "message"),
     [
-        (["algorithm.off_policy.rejection=[{statistic: ratio, low: 3.0, high: 0.5}]"], "algorithm.off_policy.rejection.0", "low: 3.0 is above high"),
+        (
+            ["algorithm.off_policy.rejection=[{statistic: ratio, low: 3.0, high: 0.5}]"],
+            "algorithm.off_policy.rejection.0",
+            "low: 3.0 is above high",
+        ),
         (["algorithm.off_policy.rejection=[{statistic: k2}]"], "algorithm.off_policy.rejection.0", "set low, high or both"),
-        (["algorithm.off_policy.rejection=[{statistic: ratio, level: seq_max, high: 2}]"], "algorithm.off_policy.rejection.0", "no seq_max"),
+        (
+            ["algorithm.off_policy.rejection=[{statistic: ratio, level: seq_max, high: 2}]"],
+            "algorithm.off_policy.rejection.0",
+            "no seq_max",
+        ),
         (["algorithm.off_policy.rejection=[{statistic: ratio, low: 0, high: 2}]"], "algorithm.off_policy.rejection.0", "low: must be > 0"),
         (["algorithm.off_policy.rejection=[{statistic: k3, high: -1}]"], "algorithm.off_policy.rejection.0.high", ">= 0"),
         (["algorithm.off_policy.rejection=[{statistic: k9, high: 1}]"], "algorithm.off_policy.rejection.0.statistic", "k3"),
         (["algorithm.off_policy.rejection=[{statistic: k3, level: seq, high: 1}]"], "algorithm.off_policy.rejection.0.level", "seq_mean"),
-        (["algorithm.off_policy.rejection=[{statistic: k3, high: 1}, {statistic: k3, high: 2}]"], "algorithm.off_policy", "rejection.1: repeats"),
+        (
+            ["algorithm.off_policy.rejection=[{statistic: k3, high: 1}, {statistic: k3, high: 2}]"],
+            "algorithm.off_policy",
+            "rejection.1: repeats",
+        ),
         (["algorithm.off_policy.is_weights.kind=icepop"], "algorithm.off_policy.is_weights", "low: icepop needs both bounds"),
         (["algorithm.off_policy.is_weights.low=3"], "algorithm.off_policy.is_weights", "low: 3.0 is above high (2.0)"),
         (["algorithm.off_policy.is_weights.high=null"], "algorithm.off_policy.is_weights", "high: must be set"),
         (["algorithm.off_policy.is_weights.high=0"], "algorithm.off_policy.is_weights.high", "> 0"),
         (["algorithm.off_policy.is_weights.kind=clip"], "algorithm.off_policy.is_weights.kind", "truncate"),
-        (["algorithm.off_policy.mode=tis", "algorithm.off_policy.is_weights.high=2"], "algorithm.off_policy", "is_weights: mode 'tis' already weights"),
-        (["algorithm.off_policy.mode=bypass", "algorithm.off_policy.is_weights.high=2"], "algorithm.off_policy", "is_weights: mode 'bypass'"),
-        (["algorithm.off_policy.mode=bypass", "algorithm.off_policy.rejection=[{statistic: k3, high: 1}]"], "algorithm.off_policy", "rejection: mode 'bypass'"),
+        (
+            ["algorithm.off_policy.mode=tis", "algorithm.off_policy.is_weights.high=2"],
+            "algorithm.off_policy",
+            "is_weights: mode 'tis' already weights",
+        ),
+        (
+            ["algorithm.off_policy.mode=bypass", "algorithm.off_policy.is_weights.high=2"],
+            "algorithm.off_policy",
+            "is_weights: mode 'bypass'",
+        ),
+        (
+            ["algorithm.off_policy.mode=bypass", "algorithm.off_policy.rejection=[{statistic: k3, high: 1}]"],
+            "algorithm.off_policy",
+            "rejection: mode 'bypass'",
+        ),
     ],
 )
 def test_bad_settings_name_the_field(overrides, path, message):

@@ -34,7 +34,9 @@ K3 = [[1 - LN2, 0.0, LN2 - 0.5], [3 - LN4, 0.5 - LN1_5]]  # 0.3069, 0, 0.1931 | 
 
 
 def correct(mode="none", is_weights=None, rejection=(), old=OLD, rollout=ROLLOUT, mask=MASK, **kw):
-    return off_policy_correction(mode, old_logprob=old, rollout_logprob=rollout, mask=mask, is_weights=is_weights, rejection=list(rejection), **kw)
+    return off_policy_correction(
+        mode, old_logprob=old, rollout_logprob=rollout, mask=mask, is_weights=is_weights, rejection=list(rejection), **kw
+    )
 
 
 def rs(statistic, level="token", low=None, high=None):
@@ -354,7 +356,9 @@ def _gloo_rank(rank: int, world: int, port: int, out_path: str) -> None:
 _g = torch.Generator().manual_seed(3)
 GLOO_ROLL = -torch.rand(6, 5, generator=_g) * 3
 GLOO_OLD = GLOO_ROLL + torch.randn(6, 5, generator=_g) * 0.7
-GLOO_MASK = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 0, 0, 1, 1]], dtype=torch.float)
+GLOO_MASK = torch.tensor(
+    [[1, 1, 1, 1, 1], [1, 0, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 0, 0, 1, 1]], dtype=torch.float
+)
 GLOO_KW = dict(is_weights=ISWeights(level="sequence", high=3.0, batch_normalize=True), rejection=[rs("k3", "token", high=0.5)])
 
 

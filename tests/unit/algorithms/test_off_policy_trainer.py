@@ -56,7 +56,10 @@ def test_rejection_and_icepop_reach_the_update_and_the_metrics(tiny_model):
         algorithm={
             "off_policy": {
                 "is_weights": {"kind": "icepop", "low": 0.5, "high": 5.0, "batch_normalize": True},
-                "rejection": [{"statistic": "k3", "level": "seq_mean", "high": 0.1}, {"statistic": "ratio", "level": "token", "low": 0.9, "high": 2.0}],
+                "rejection": [
+                    {"statistic": "k3", "level": "seq_mean", "high": 0.1},
+                    {"statistic": "ratio", "level": "token", "low": 0.9, "high": 2.0},
+                ],
             }
         },
     )
@@ -69,7 +72,9 @@ def test_rejection_and_icepop_reach_the_update_and_the_metrics(tiny_model):
     # IcePop does on-policy: the weights after the step must be identical.
     legacy = PolicyTrainer(
         str(tiny_model),
-        make_cfg(tiny_model, trainer={"micro_batch_size": 8}, algorithm={"off_policy": {"mode": "rejection", "cap": 2.0, "level": "geometric"}}),
+        make_cfg(
+            tiny_model, trainer={"micro_batch_size": 8}, algorithm={"off_policy": {"mode": "rejection", "cap": 2.0, "level": "geometric"}}
+        ),
     )
     before = {k: v.clone() for k, v in legacy.full_state().items()}
     legacy_result = legacy.train_step(ScoredStep(batch_with_rollout(legacy), REWARDS, None), kl_coef=0.0)

@@ -133,7 +133,9 @@ def test_dual_clip_extreme_and_validation():
         if delta > 0:
             close(out.loss, [[3.0, -1.2]])  # capped at -A c = 3; clipped at 1.2
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        POLICY_LOSSES.get("dual_clip")(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), LossParams(clip_ratio_c=1.0))
+        POLICY_LOSSES.get("dual_clip")(
+            torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), LossParams(clip_ratio_c=1.0)
+        )
 
 
 def test_gspo_sequence_ratio_clip_and_per_token_gradient():

@@ -29,7 +29,9 @@ def sigmoid(x: float) -> float:
 def run(name: str, logprob, old, adv, mask, params: LossParams = LossParams()):
     """The loss, and d(sum of masked loss)/d logprob."""
     logprob = torch.as_tensor(logprob, dtype=torch.float32).clone().requires_grad_(True)
-    out = POLICY_LOSSES.get(name)(logprob, torch.as_tensor(old, dtype=torch.float32), torch.as_tensor(adv, dtype=torch.float32), mask, params)
+    out = POLICY_LOSSES.get(name)(
+        logprob, torch.as_tensor(old, dtype=torch.float32), torch.as_tensor(adv, dtype=torch.float32), mask, params
+    )
     (torch.where(mask.bool(), out.loss, torch.zeros_like(out.loss))).sum().backward()
     return out, logprob.grad
 
@@ -173,7 +175,9 @@ def test_dppo_kl_by_hand():
     assert out.clipped.tolist() == [[not c[2] for c in cases]]
     close(grad, [[-c[0] * (c[1] / p_old) * c[2] for c in cases]], atol=1e-5)
     # a looser threshold (0.25 > 0.22314) keeps them all
-    out, _ = run("dppo_kl", lp, old, [[c[0] for c in cases]], torch.ones(1, len(cases)), LossParams(clip_ratio_low=0.25, clip_ratio_high=0.25))
+    out, _ = run(
+        "dppo_kl", lp, old, [[c[0] for c in cases]], torch.ones(1, len(cases)), LossParams(clip_ratio_low=0.25, clip_ratio_high=0.25)
+    )
     assert not out.clipped.any()
 
 

@@ -190,7 +190,10 @@ def _handler(codec, allowed: set[str]):
             # as the CLI's --codec-endpoint templating sends it.
             action = urlsplit(self.path).path.rstrip("/").rsplit("/", 1)[-1]
             if action == "encode":
-                self._reply(HTTPStatus.FORBIDDEN, {"message": "ratchet's codec server only decodes: start and steer runs with ratchet's CLI or client"})
+                self._reply(
+                    HTTPStatus.FORBIDDEN,
+                    {"message": "ratchet's codec server only decodes: start and steer runs with ratchet's CLI or client"},
+                )
                 return
             if action != "decode":
                 self._reply(HTTPStatus.NOT_FOUND, {"message": "POST /decode"})

@@ -21,9 +21,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["down", "node_record", "restart_ray", "start_node", "up"]
 
 
-def _check_recorded_port(
-    rec: dict[str, Any], settings: ServiceSettings, key: str, field_name: str, service: str
-) -> None:
+def _check_recorded_port(rec: dict[str, Any], settings: ServiceSettings, key: str, field_name: str, service: str) -> None:
     want = getattr(settings, field_name)
     if rec.get(key) != want:
         raise ServiceError(

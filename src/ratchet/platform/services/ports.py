@@ -33,9 +33,7 @@ def port_in_use(host: str, port: int, bind_host: str) -> bool:
     return False
 
 
-def check_port_free(
-    settings: ServiceSettings, field_name: str, service: str, bind_host: str
-) -> None:
+def check_port_free(settings: ServiceSettings, field_name: str, service: str, bind_host: str) -> None:
     port = getattr(settings, field_name)
     if port_in_use(settings.host, port, bind_host):
         env = PORT_ENV[field_name]

@@ -186,7 +186,11 @@ def terminate(pids: list[int], timeout: float, what: str) -> list[int]:
 
 
 def spawn_logged(
-    cmd: list[str], log_path: Path, cwd: Path, started_at: str, env: dict | None = None,
+    cmd: list[str],
+    log_path: Path,
+    cwd: Path,
+    started_at: str,
+    env: dict | None = None,
     keep: bool = False,
 ) -> subprocess.Popen:
     """Start `cmd` detached, in a new session (its own process group), appending to
@@ -234,8 +238,5 @@ def find_binary(name: str, package: str) -> Path:
     """The executable ``name`` installed next to this Python interpreter."""
     path = Path(sys.executable).parent / name
     if not path.exists():
-        raise ServiceError(
-            f"`{name}` not found at {path}; install it into this environment with "
-            f"`pip install {package}`"
-        )
+        raise ServiceError(f"`{name}` not found at {path}; install it into this environment with `pip install {package}`")
     return path

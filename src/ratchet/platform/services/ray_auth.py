@@ -86,9 +86,7 @@ def ensure_token(settings: ServiceSettings) -> Path:
             "remove it and run `ratchet up` again to create a new token."
         )
     if st.st_mode & 0o077 or st.st_size == 0:
-        logger.warning(
-            "%s was readable by other users or empty; replacing the Ray token", path
-        )
+        logger.warning("%s was readable by other users or empty; replacing the Ray token", path)
         path.unlink()
         create_secret_file(path, secrets.token_hex(32))
     return path

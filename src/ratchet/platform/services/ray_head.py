@@ -92,9 +92,7 @@ def _session_is_ours(rec: dict[str, Any]) -> bool:
     if is_ours(rec):
         return True
     temp = rec.get("temp_dir") or ""
-    return any(
-        any(temp in a for a in processes.cmdline(p)) for p in processes.session_pids(rec["sid"])
-    )
+    return any(any(temp in a for a in processes.cmdline(p)) for p in processes.session_pids(rec["sid"]))
 
 
 def pids(rec: dict[str, Any]) -> list[int]:

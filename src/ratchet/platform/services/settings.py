@@ -175,18 +175,26 @@ class ServiceSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 < value < 65536:
                 raise ServiceError(f"{name} must be a TCP port in 1..65535, got {value!r}")
-        if self.mlflow_ui_port is not None and (isinstance(self.mlflow_ui_port, bool) or not isinstance(self.mlflow_ui_port, int) or not 0 < self.mlflow_ui_port < 65536):
+        if self.mlflow_ui_port is not None and (
+            isinstance(self.mlflow_ui_port, bool) or not isinstance(self.mlflow_ui_port, int) or not 0 < self.mlflow_ui_port < 65536
+        ):
             raise ServiceError(f"mlflow_ui_port must be a TCP port in 1..65535 or None (no MLflow UI), got {self.mlflow_ui_port!r}")
         if self.mlflow_ui_port in (self.temporal_port, self.temporal_ui_port, self.ray_port):
             raise ServiceError(f"mlflow_ui_port {self.mlflow_ui_port} is already taken by another service; set {MLFLOW_UI_PORT_ENV}=<port>")
         for name, env in (("nodes", NODES_ENV), ("worker_nodes", WORKER_NODES_ENV)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NODES:
-                raise ServiceError(f"{name} must be a whole number in 0..{MAX_NODES} (extra Ray nodes on this machine), got {value!r}; set {env}=<n>")
+                raise ServiceError(
+                    f"{name} must be a whole number in 0..{MAX_NODES} (extra Ray nodes on this machine), got {value!r}; set {env}=<n>"
+                )
         if self.nodes + self.worker_nodes > MAX_NODES:
-            raise ServiceError(f"nodes + worker_nodes is {self.nodes + self.worker_nodes}; at most {MAX_NODES} extra nodes run on one machine")
+            raise ServiceError(
+                f"nodes + worker_nodes is {self.nodes + self.worker_nodes}; at most {MAX_NODES} extra nodes run on one machine"
+            )
         if not self.node_cpus > 0:
-            raise ServiceError(f"node_cpus must be > 0 (the Ray CPUs each extra node offers), got {self.node_cpus!r}; set {NODE_CPUS_ENV}=<cpus>")
+            raise ServiceError(
+                f"node_cpus must be > 0 (the Ray CPUs each extra node offers), got {self.node_cpus!r}; set {NODE_CPUS_ENV}=<cpus>"
+            )
         ports = [self.temporal_port, self.temporal_ui_port, self.ray_port]
         if len(set(ports)) != len(ports):
             raise ServiceError(

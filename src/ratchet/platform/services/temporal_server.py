@@ -61,7 +61,9 @@ def ensure_search_attributes(address: str, namespace: str, timeout: float) -> li
 
         client = await asyncio.wait_for(Client.connect(address, namespace=namespace), timeout)
         have = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
-        wrong = [k.name for k in sa.ALL_KEYS if k.name in have.custom_attributes and have.custom_attributes[k.name] != int(k.indexed_value_type)]
+        wrong = [
+            k.name for k in sa.ALL_KEYS if k.name in have.custom_attributes and have.custom_attributes[k.name] != int(k.indexed_value_type)
+        ]
         if wrong:
             logger.warning("search attributes %s exist with another type; runs start without ratchet's attributes", wrong)
         add = {k.name: int(k.indexed_value_type) for k in sa.ALL_KEYS if k.name not in have.custom_attributes}
@@ -135,9 +137,7 @@ def _start(settings: ServiceSettings, codec: dict[str, Any]) -> dict[str, Any]:
     cmd = _command(settings, codec_server.url(codec))
     log_path = settings.temporal_log
     proc = processes.spawn_logged(cmd, log_path, settings.state_dir, now(), keep=True)
-    logger.info(
-        "starting Temporal dev server (pid %s) on %s", proc.pid, temporal_address(settings)
-    )
+    logger.info("starting Temporal dev server (pid %s) on %s", proc.pid, temporal_address(settings))
     rec = {
         "pid": proc.pid,
         "pgid": proc.pid,

@@ -73,7 +73,12 @@ def _ledger(create: bool = True):
     return (
         ray.remote(AdmissionLedger)
         .options(
-            name=LEDGER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0, resources=_HEAD_NODE,
+            name=LEDGER_NAME,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            resources=_HEAD_NODE,
             scheduling_strategy="DEFAULT",
         )  # fmt: skip
         .remote()

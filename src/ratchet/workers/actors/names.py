@@ -122,5 +122,3 @@ def run_actor_names() -> dict[str, list[str]]:
         if entry["namespace"] == NAMESPACE and sep and is_valid_id(run_id):
             out[run_id].append(entry["name"])
     return {k: sorted(v) for k, v in out.items()}
-
-

@@ -118,10 +118,7 @@ def check_never_fits(run_id: str, cfg: RunConfig, plan: PlacementPlan | None = N
 
 
 def _too_big(run_id: str, need: float, total: float) -> str:
-    return (
-        f"run {run_id} needs {need:g} Ray CPUs ({_NEED_TEXT}) but the cluster has {total:g}; "
-        "lower the resources.* values or add nodes"
-    )
+    return f"run {run_id} needs {need:g} Ray CPUs ({_NEED_TEXT}) but the cluster has {total:g}; lower the resources.* values or add nodes"
 
 
 def holders_text(run_id: str) -> str:
@@ -239,8 +236,7 @@ def wait_placed(run_id: str, actor, name: str, num_cpus: float, waiter: Waiter, 
     ray.kill(actor, no_restart=True)
     wait_name_free(name)
     raise ResourcesUnavailable(
-        f"run {run_id}: no Ray node could place actor {name} ({num_cpus:g} CPUs) within {timeout_s:g} s; "
-        f"{holders_text(run_id)}"
+        f"run {run_id}: no Ray node could place actor {name} ({num_cpus:g} CPUs) within {timeout_s:g} s; {holders_text(run_id)}"
     )
 
 
@@ -275,8 +271,7 @@ def check_pools(run_id: str, plan: PlacementPlan, waiter: Waiter, settle_s: floa
     if missing:
         kind = next(iter(missing))
         raise ResourcesUnavailable(
-            f"run {run_id}: resources.pools need {needs[kind]:g} {kind}s but only {free.get(kind, 0.0):g} are free; "
-            f"{holders_text(run_id)}"
+            f"run {run_id}: resources.pools need {needs[kind]:g} {kind}s but only {free.get(kind, 0.0):g} are free; {holders_text(run_id)}"
         )
     for pool in plan.pools:
         pool_group(run_id, pool, waiter)

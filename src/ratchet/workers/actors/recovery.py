@@ -60,7 +60,9 @@ def restore_trainers(actors: RunActors, expected_version: int) -> list:
         # change may have changed them since); the next update gets the values in force.
         hyper, live = entry.get("optimizer"), entry.get("live")
         safe_lambda = entry.get("safe_lambda")  # Safe-RLHF's multiplier, logged by runs that use it
-        actors.wait([a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"], hyper, live=live, safe_lambda=safe_lambda) for a in ranks])
+        actors.wait(
+            [a.train.remote(entry["batch"], v, entry["kl_coef"], entry["parts"], hyper, live=live, safe_lambda=safe_lambda) for a in ranks]
+        )
     log.warning(
         "run %s: trainer rebuilt at v%d from %s and %d replayed updates in %.1f s",
         actors.run_id, expected_version, source, expected_version - version, time.perf_counter() - t0,
@@ -94,7 +96,11 @@ def restore_critic(actors: RunActors, expected_version: int):
     # Checkpoints of a run without a critic (or from before critics were saved) hold none.
     with actors.waiter.busy("reading the critic's state to restore it"):
         found = checkpoints.newest_good(
-            lambda info: checkpoints.read_files(info.name, [RunLayout.CRITIC_STATE, RunLayout.CRITIC_META]) if RunLayout.CRITIC_STATE in info.files else None,
+            lambda info: (
+                checkpoints.read_files(info.name, [RunLayout.CRITIC_STATE, RunLayout.CRITIC_META])
+                if RunLayout.CRITIC_STATE in info.files
+                else None
+            ),
             max_step=expected_version,
         )
     if found is not None and found[1] is not None:

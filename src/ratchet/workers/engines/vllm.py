@@ -231,7 +231,6 @@ class VLLMEngine:
         # Cached prompt blocks hold the old weights' keys and values.
         self._stale_prefix_cache = not self.llm.reset_prefix_cache()
 
-
     # -- colocated placement ---------------------------------------------------------------
 
     def sleep(self) -> None:

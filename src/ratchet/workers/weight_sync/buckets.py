@@ -137,14 +137,10 @@ def sync_entries(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]]
     return out, aliases
 
 
-def make_manifest(
-    entries: list[tuple[str, torch.Tensor]], *, engine_dtype: str, bound_bytes: int, version: int, aliases=()
-) -> Manifest:
+def make_manifest(entries: list[tuple[str, torch.Tensor]], *, engine_dtype: str, bound_bytes: int, version: int, aliases=()) -> Manifest:
     """The plan of a sync, from shapes and dtypes only (a DTensor reports its global
     shape): identical on every rank, so every rank gathers the same tensors in order."""
-    specs = tuple(
-        TensorSpec(name, str(wire_dtype(t.dtype, engine_dtype)).removeprefix("torch."), tuple(t.shape)) for name, t in entries
-    )
+    specs = tuple(TensorSpec(name, str(wire_dtype(t.dtype, engine_dtype)).removeprefix("torch."), tuple(t.shape)) for name, t in entries)
     buckets = tuple(tuple(b) for b in plan_buckets([s.nbytes for s in specs], bound_bytes))
     return Manifest(version=version, specs=specs, buckets=buckets, bound_bytes=bound_bytes, aliases=tuple(tuple(a) for a in aliases))
 
@@ -192,7 +188,9 @@ def gather_buckets(entries: list[tuple[str, torch.Tensor]], manifest: Manifest) 
             yield WeightBucket(index=index, specs=specs, arrays=arrays)
 
 
-def gather_tensors(entries: list[tuple[str, torch.Tensor]], manifest: Manifest) -> Iterator[tuple[tuple[TensorSpec, ...], list[torch.Tensor]]]:
+def gather_tensors(
+    entries: list[tuple[str, torch.Tensor]], manifest: Manifest
+) -> Iterator[tuple[tuple[TensorSpec, ...], list[torch.Tensor]]]:
     """Like `gather_buckets`, but the tensors stay where they are (on the GPU) in the wire
     dtype: for the device transports (cuda_ipc.py, nccl.py)."""
     with torch.no_grad():

@@ -26,6 +26,7 @@ from .buckets import Manifest, WeightBucket
 from .protocol import STREAM_TIMEOUT_S, RelayedSource, SyncResult
 from .sources import WeightSource
 
+
 class StreamSource(RelayedSource):
     """A replica's pull of one sync from trainer rank 0 through the object store
     (picklable: an actor handle and ids)."""
@@ -91,7 +92,11 @@ def stream_sync(ranks: list, targets: list, wait: Callable, *, sync_id: str | No
         raise
     reports = wait(gathers)
     return SyncResult(
-        version=reports[0].version, bytes=int(sum(received)), buckets=reports[0].buckets, replicas=len(targets), transport="stream",
+        version=reports[0].version,
+        bytes=int(sum(received)),
+        buckets=reports[0].buckets,
+        replicas=len(targets),
+        transport="stream",
         window_peak=reports[0].window_peak,
     )
 
@@ -100,7 +105,4 @@ def published_sync(published: tuple[int, PublishedSource], targets: list, wait: 
     """Load the weights rank 0 published after its last update into every target."""
     version, source = published
     received = wait([t.load_weights.remote(source, version) for t in targets])
-    return SyncResult(
-        version=version, bytes=int(sum(received)), buckets=len(source.refs), replicas=len(targets), transport="published"
-    )
-
+    return SyncResult(version=version, bytes=int(sum(received)), buckets=len(source.refs), replicas=len(targets), transport="published")
