@@ -87,9 +87,11 @@ $(BWRAP):
 # Two test processes: most of the suite waits (on services, timeouts, a 30 s outage), so
 # two files at a time fill the two cores CI has. A file stays in one process (--dist
 # loadfile), so module fixtures are shared; each process starts its own platform.
-# ruff first: an unused, undefined or redefined name, or code not in ruff's format, fails in
-# a second, not after the suite (`ruff format src tests benchmarks` formats it).
-LINT := $(VENV)/bin/ruff check --quiet src tests benchmarks && $(VENV)/bin/ruff format --check --quiet src tests benchmarks
+# ruff and mypy first: an unused, undefined or redefined name, code not in ruff's format
+# (`ruff format src tests benchmarks` formats it), or a type error in the packages
+# [tool.mypy] lists fails in seconds, not after the suite.
+LINT := $(VENV)/bin/ruff check --quiet src tests benchmarks && $(VENV)/bin/ruff format --check --quiet src tests benchmarks \
+  && $(VENV)/bin/mypy
 # ratchet's own modules byte-compiled before the tests start hundreds of processes (actors,
 # workers, CLIs) that import them: where PYTHONDONTWRITEBYTECODE is set (CI, these
 # machines) nothing writes the .pyc files, so each process compiled ratchet afresh, about

@@ -98,7 +98,7 @@ class RungInput:
 class RungReport:
     trial_index: int
     steps: int  # steps recorded so far
-    values: list[float] = field(default_factory=list)  # the metric at rungs[rungs_seen:], as far as reached
+    values: list[float | None] = field(default_factory=list)  # the metric at rungs[rungs_seen:], as far as reached (None: not logged there)
 
 
 @dataclass

@@ -117,7 +117,7 @@ def test_rollout_worker_and_local_loop_build_the_configured_engine(tiny_model, c
 
 
 def test_every_scheme_opener_imports():
-    for name, scheme in schemes.SCHEMES.items():
+    for name, scheme in schemes.SCHEMES.objects():
         assert callable(scheme.open), name
     assert list(schemes.SCHEMES)[:2] == ["file", "s3"]  # the order error messages list them in
 
@@ -169,7 +169,9 @@ def test_workflow_has_a_loop_method_for_each_mode_and_no_other():
     from ratchet.workflows.training import TrainingWorkflow
 
     loops = {name for name, fn in vars(TrainingWorkflow).items() if name.endswith("_loop") and inspect.iscoroutinefunction(fn)}
-    assert loops == {mode.method for _, mode in LOOP_MODES.items()}, "catalog/loop_modes.py LOOP_MODES and TrainingWorkflow's loops differ"
+    assert loops == {mode.method for _, mode in LOOP_MODES.objects()}, (
+        "catalog/loop_modes.py LOOP_MODES and TrainingWorkflow's loops differ"
+    )
 
 
 def test_workflow_dispatches_through_the_table():

@@ -139,9 +139,9 @@ def distributions(space: dict[str, ParamSpace]) -> dict[str, Any]:
         if p.is_choice:
             out[key] = CategoricalDistribution(p.values)
         elif p.type == "int":
-            out[key] = IntDistribution(int(p.low), int(p.high), log=p.log)
+            out[key] = IntDistribution(int(p.bounds[0]), int(p.bounds[1]), log=p.log)
         else:
-            out[key] = FloatDistribution(float(p.low), float(p.high), log=p.log)
+            out[key] = FloatDistribution(float(p.bounds[0]), float(p.bounds[1]), log=p.log)
     return out
 
 

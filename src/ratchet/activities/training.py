@@ -258,7 +258,8 @@ def _step_in_memory(actors: RunActors, inp: t.StepInput) -> tuple[t.BatchRef, t.
         ranks = actors.trainers(version, retrying_update=True)
     else:
         probe = actors.probe_trainers()  # answered while the batch generates
-    scores, shares, stored, replicas = None, [], [], []
+    scores, shares, stored = None, [], []
+    replicas: list = []
     pool = actors.rollout_pool()
     # A retried step whose update was made: the trainer reports (and stores) its batch.
     if not (retrying and wait(ranks[0].policy_version.remote()) == version + 1):

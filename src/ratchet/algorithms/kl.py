@@ -132,10 +132,11 @@ class AdaptiveKLController:
 
     def update(self, current_kl: float, n_steps: int) -> float:
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
-        self.coef = self.coef * (1.0 + error * n_steps / self.horizon)
+        self.coef = self.state() * (1.0 + error * n_steps / self.horizon)
         return self.coef
 
     def state(self) -> float:
+        assert self.coef is not None  # set in __post_init__
         return float(self.coef)
 
     def load_state(self, coef: float) -> None:

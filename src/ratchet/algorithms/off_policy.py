@@ -155,8 +155,7 @@ def off_policy_correction(
     raise_problems(rejection_problems(criteria), "algorithm.off_policy.rejection")
     keep = mask.bool()
     m = keep.float()
-    have_both = old_logprob is not None and rollout_logprob is not None
-    if have_both:
+    if old_logprob is not None and rollout_logprob is not None:
         log_ratio = old_logprob.detach().float() - rollout_logprob.detach().float()
     elif mode in ("none", "bypass") and spec is None and not criteria:
         log_ratio = torch.zeros_like(m)

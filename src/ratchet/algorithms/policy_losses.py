@@ -4,6 +4,8 @@ Each loss is registered by its line in catalog/algorithms.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass, fields
 
 import torch
@@ -48,7 +50,8 @@ class LossParams:
         """The fields of the config's `algorithm` section with the same names (read by
         attribute, so a pydantic-free config view works); a field the section lacks keeps
         its default."""
-        return cls(**{f.name: getattr(alg, f.name, f.default) for f in fields(cls)})
+        values: dict[str, Any] = {f.name: getattr(alg, f.name, f.default) for f in fields(cls)}
+        return cls(**values)
 
 
 @dataclass

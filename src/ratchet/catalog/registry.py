@@ -52,9 +52,10 @@ class Registry(Generic[T]):
         """The names, in the order they were registered (the order tables are shown in)."""
         return iter(self.entries)
 
-    def items(self) -> list[tuple[str, T | str]]:
-        """(name, entry) in registration order; an entry given as a string stays one."""
-        return list(self.entries.items())
+    def objects(self) -> list[tuple[str, T]]:
+        """(name, implementation) in registration order, each resolved as `get` does (a
+        "module:attribute" entry is imported here)."""
+        return [(name, self.get(name)) for name in self.entries]
 
     def check(self, name: str) -> str:
         """Return `name` if registered, else raise a ValueError that lists the valid names."""

@@ -14,7 +14,7 @@ Imports nothing heavy: the config schema calls `plan_placement` while validating
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -224,7 +224,7 @@ def _plan_gpu_pool(cfg: RunConfig, field: str, pool, demands, problems: list[Pro
         device = rank * ndev if ndev else 0
         placed.append((role, rank, cpus, device if ndev else -1))
     sharing = Counter(d for *_, d in placed if d >= 0)
-    cpus_on = Counter()
+    cpus_on: defaultdict[int, float] = defaultdict(float)
     slots = []
     for role, rank, cpus, device in placed:
         bundle = max(device, 0)

@@ -350,7 +350,9 @@ class ISWeightsConfig(Section):
 
     @model_validator(mode="after")
     def _bounds(self) -> "ISWeightsConfig":
-        _off_policy_problems(is_weights_problems(as_is_weights(self)))
+        spec = as_is_weights(self)
+        assert spec is not None  # made from this section itself
+        _off_policy_problems(is_weights_problems(spec))
         return self
 
 
@@ -637,11 +639,13 @@ class WarmupConfig(Section):
 
 
 # A Literal built from the table: its error lists the modes, and `ratchet schema` shows them.
-LoopModeName = Literal[tuple(LOOP_MODES)]  # type: ignore[valid-type]
+LoopModeName = Literal[tuple(LOOP_MODES)]  # type: ignore[valid-type]  # a Literal of the table's names, built at import
 
 
 class LoopConfig(Section):
-    mode: LoopModeName = Field("sync", description=" ".join(f"{name}: {mode.description}" for name, mode in LOOP_MODES.items()))
+    mode: LoopModeName = Field(  # type: ignore[valid-type]
+        "sync", description=" ".join(f"{name}: {LOOP_MODES.get(name).description}" for name in LOOP_MODES)
+    )
     # fully_async's pipeline depth: at most 1024 each, far past any useful lag (1-8), and the
     # ready batches travel in the run state (Temporal's 2 MB payload limit).
     max_staleness: int = Field(
@@ -688,7 +692,7 @@ class StorageConfig(Section):
     root: str = Field(
         RunLayout.DEFAULT_ROOT,
         description="Local folder, or object-store URL, under which each run gets a folder: "
-        + "; ".join(f"{name}://{'bucket/prefix' if s.needs_bucket else ''} {s.description}" for name, s in schemes.SCHEMES.items())
+        + "; ".join(f"{name}://{'bucket/prefix' if s.needs_bucket else ''} {s.description}" for name, s in schemes.SCHEMES.objects())
         + ".",
     )
 

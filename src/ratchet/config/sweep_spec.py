@@ -77,6 +77,13 @@ class ParamSpace(_Strict):
         description="Grid search over a range: this many points, low and high included (at most 10000, the most trials).",
     )
 
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """(low, high) of a range; a choice has none."""
+        if self.low is None or self.high is None:
+            raise ValueError("a choice parameter has no low/high bounds")
+        return self.low, self.high
+
     @model_validator(mode="before")
     @classmethod
     def _infer_int(cls, data: Any) -> Any:
@@ -309,11 +316,16 @@ def apply_params(config: Mapping[str, Any], params: Mapping[str, Any]) -> dict[s
 def trial_params(spec: SweepSpec, index: int) -> dict[str, Any] | None:
     """Trial `index`'s values where they follow from the spec and seed alone (grid, random);
     None for TPE, whose values come from Optuna's study."""
+    return None if spec.search == "tpe" else fixed_trial_params(spec, index)
+
+
+def fixed_trial_params(spec: SweepSpec, index: int) -> dict[str, Any]:
+    """Trial `index`'s values in a grid or random search."""
     if spec.search == "grid":
         return grid_points(spec.space)[index]
     if spec.search == "random":
         return random_point(spec.space, spec.seed, index)
-    return None
+    raise ValueError(f"search {spec.search!r} takes its values from Optuna's study, not from the spec")
 
 
 def trial_config(base: Mapping[str, Any], params: Mapping[str, Any], *, check_files: bool = True) -> RunConfig:
@@ -361,12 +373,12 @@ def compile_sweep(spec: SweepSpec, spec_dir: Path | None = None) -> CompiledSwee
     base_json = base.model_dump(mode="json")
     params = None
     if spec.search in ("grid", "random"):
-        params = [trial_params(spec, k) for k in range(spec.num_trials)]
+        params = [fixed_trial_params(spec, k) for k in range(spec.num_trials)]
         for k, values in enumerate(params):
             issues += _trial_issues(base_json, values, f"trial {k}")
     else:  # TPE: each choice, and each range's bounds, on the base
         for key, p in spec.space.items():
-            candidates = p.values if p.is_choice else [_typed(p, p.low), _typed(p, p.high)]
+            candidates = list(p.values or ()) if p.is_choice else [_typed(p, bound) for bound in p.bounds]
             for value in candidates:
                 issues += _trial_issues(base_json, {key: value}, f"space value {key}={value!r}")
     if issues:
@@ -374,7 +386,7 @@ def compile_sweep(spec: SweepSpec, spec_dir: Path | None = None) -> CompiledSwee
     return CompiledSweep(spec=spec, base=base, params=params)
 
 
-def _typed(p: ParamSpace, value: float | None) -> int | float:
+def _typed(p: ParamSpace, value: float) -> int | float:
     return int(value) if p.type == "int" else float(value)
 
 

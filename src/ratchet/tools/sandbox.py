@@ -120,7 +120,8 @@ def interpreter(python: str = "") -> Interpreter:
         masks = tuple(p for p in sorted(site) if os.path.isdir(p) and any(p.startswith(b + "/") for b in _nest(binds + ["/usr/lib"])))
         return Interpreter(layout["executable"], _nest(binds), masks, ("-I", "-S"))
     binds += [layout["prefix"], layout["purelib"], layout["platlib"]]
-    links, link = [], exe
+    links: list[tuple[str, str]] = []
+    link = exe
     while os.path.islink(link) and len(links) < 16:  # a venv's bin/python -> python3 -> the base interpreter
         target = os.readlink(link)
         links.append((target, link))

@@ -18,7 +18,7 @@ import threading
 import time
 from contextlib import closing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, MutableMapping
 
 from typing import TYPE_CHECKING
 
@@ -41,7 +41,7 @@ _PARAM_CHARS = 6000
 STEP_KEY = "reward_mean"
 
 
-def quiet_mlflow_env(env: dict | None = None) -> dict:
+def quiet_mlflow_env(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
     """MLflow's telemetry off (no connection leaves the machine for a local store) and a
     remote server given up on after seconds, not minutes of retries: a tracker that is
     down must not hold the tracking thread. A user's own values win."""

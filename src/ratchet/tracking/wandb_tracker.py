@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from ratchet.private_paths import make_private_dirs
 
@@ -35,12 +35,19 @@ class WandbTracker:
     name = "wandb"
     saves_last_step = True
 
-    def __init__(self, *, mode: str = "offline", project: str | None = None, entity: str | None = None, dir: str | None = None):
+    def __init__(
+        self,
+        *,
+        mode: Literal["offline", "online"] = "offline",
+        project: str | None = None,
+        entity: str | None = None,
+        dir: str | None = None,
+    ):
         if mode not in ("offline", "online"):
             raise ValueError(f"tracking.wandb.mode must be offline or online, got {mode!r}")
         self.mode, self.project, self.entity = mode, project, entity
         self.dir = Path(dir) if dir else state_dir() / WANDB_DIR
-        self.run = None
+        self.run: Any = None  # the wandb Run, once started
         self._last_step: int | None = None
 
     def start_or_continue(self, run: RunInfo, saved: Mapping[str, Any]) -> dict[str, Any]:
