@@ -17,10 +17,17 @@ import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import BinaryIO, Protocol
+from typing import Protocol
 
 MIN_PART_SIZE = 5 << 20  # S3 refuses smaller multipart parts (except the last)
 MAX_PARTS = 10_000  # S3's limit on parts per multipart upload
+
+
+class Readable(Protocol):
+    """What an upload reads its bytes from: an open binary file, or a reader that hashes
+    what passes through it (object_store.py)."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
 
 
 class Backend(Protocol):
@@ -31,7 +38,7 @@ class Backend(Protocol):
 
     def put_bytes(self, path: str, data: bytes) -> None: ...
 
-    def put_stream(self, path: str, stream: BinaryIO, size: int) -> None:
+    def put_stream(self, path: str, stream: Readable, size: int) -> None:
         """Upload exactly `size` bytes read from `stream`, in parts, without holding the
         whole object in memory."""
 
@@ -98,7 +105,7 @@ def part_size_for(size: int, part_size: int, concurrency: int) -> int:
     return max(MIN_PART_SIZE, min(part_size, spread), math.ceil(size / MAX_PARTS))
 
 
-def upload_parts(stream: BinaryIO, size: int, part_size: int, concurrency: int, upload) -> list:
+def upload_parts(stream: Readable, size: int, part_size: int, concurrency: int, upload) -> list:
     """Read `stream` part by part in this thread (so the caller's checksum sees the bytes in
     order) and run `upload(part_number, data)` for up to `concurrency` parts at once. At most
     `concurrency + 1` parts are in memory. Returns the results in part order; the first
@@ -132,6 +139,7 @@ def upload_parts(stream: BinaryIO, size: int, part_size: int, concurrency: int, 
             raise
         wait(futures)
     for f in futures:
-        if f.exception() is not None:
-            raise f.exception()
+        failed = f.exception()
+        if failed is not None:
+            raise failed
     return [f.result() for f in futures]

@@ -33,6 +33,8 @@ would re-derive the other's key rules.
 
 from __future__ import annotations
 
+import builtins
+import enum
 import json
 import logging
 import os
@@ -52,7 +54,12 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-_FAILED = object()  # what `_tidy` returns for a step of retention that failed
+
+class _Failed(enum.Enum):
+    FAILED = "failed"
+
+
+_FAILED = _Failed.FAILED  # what `_tidy` returns for a step of retention that failed
 
 MANIFEST = RunLayout.CHECKPOINT_MANIFEST
 RETIRED = RunLayout.CHECKPOINT_RETIRED  # a retired checkpoint's manifest (`retire`)
@@ -200,7 +207,9 @@ class CheckpointStore:
             return attempt
         return ""
 
-    def upload(self, name: str, local_dir: str | os.PathLike, attempt: str = "", only: list[str] | None = None) -> dict[str, FileEntry]:
+    def upload(
+        self, name: str, local_dir: str | os.PathLike, attempt: str = "", only: builtins.list[str] | None = None
+    ) -> dict[str, FileEntry]:
         """Upload every file under `local_dir` (or the relative paths `only`) into
         checkpoint `name`'s `attempt` folder (`begin`'s answer); no manifest. Returns each
         file's size and the sha256 of the bytes sent, for `seal`. Each writer of a
@@ -259,15 +268,15 @@ class CheckpointStore:
             want = files[rel]
             try:
                 size = self.store.size(key)
-                got = (size, self.store.sha256(key)[1]) if size == want.size else (size, None)
+                sha = self.store.sha256(key)[1] if size == want.size else ""
             except FileNotFoundError:
                 problems.append(f"{rel}: missing")
                 bad.append(rel)
                 continue
-            if got[0] != want.size:
-                problems.append(f"{rel}: {got[0]} bytes stored, {want.size} written")
-            elif got[1] != want.sha256:
-                problems.append(f"{rel}: sha256 {got[1][:12]}... stored, {want.sha256[:12]}... written")
+            if size != want.size:
+                problems.append(f"{rel}: {size} bytes stored, {want.size} written")
+            elif sha != want.sha256:
+                problems.append(f"{rel}: sha256 {sha[:12]}... stored, {want.sha256[:12]}... written")
             else:
                 continue
             bad.append(rel)
@@ -291,7 +300,7 @@ class CheckpointStore:
         if ".tmp-" in rel or rel.endswith(".part"):
             raise ValueError(f"checkpoint {name!r}: file name {rel!r} looks like a temporary file (.tmp-, .part); rename it")
 
-    def _local_files(self, name: str, local_dir: str | os.PathLike) -> list[tuple[Path, str]]:
+    def _local_files(self, name: str, local_dir: str | os.PathLike) -> builtins.list[tuple[Path, str]]:
         """(path, relative path) of every file under `local_dir`, checked."""
         local_dir = Path(local_dir)
         if not local_dir.is_dir():
@@ -331,7 +340,7 @@ class CheckpointStore:
         except KeyError as exc:
             raise CorruptCheckpoint(name, [f"{MANIFEST} lacks a field ({exc!r})"]) from None
 
-    def _names(self) -> tuple[list[str], dict[str, list[str]]]:
+    def _names(self) -> tuple[builtins.list[str], dict[str, list[str]]]:
         """(committed names, {uncommitted name: its keys}) under the prefix."""
         by_name: dict[str, list[str]] = {}
         for key in self.store.list(self.prefix):
@@ -367,7 +376,7 @@ class CheckpointStore:
             raise CorruptCheckpoint(name, exc.problems) from None
         return self._info(name, manifest), manifest, raw
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints, oldest first (by `step`, else by name). An unreadable
         manifest is skipped with a warning."""
         infos = []
@@ -378,7 +387,7 @@ class CheckpointStore:
                 log.warning("skipping checkpoint %s: %s", name, exc)
         return sorted(infos, key=_sort_key)
 
-    def problems(self, name: str) -> list[str]:
+    def problems(self, name: str) -> builtins.list[str]:
         """What is wrong with the stored bytes of `name` (empty when it matches its manifest)."""
         try:
             info, manifest, _ = self._load_manifest(name)
@@ -401,7 +410,7 @@ class CheckpointStore:
         """True when every file is stored with the manifest's size and sha256 (reads all bytes)."""
         return not self.problems(name)
 
-    def _newest_first(self, max_step: int | None) -> list[CheckpointInfo]:
+    def _newest_first(self, max_step: int | None) -> builtins.list[CheckpointInfo]:
         candidates = self.list()
         if max_step is not None:
             candidates = [c for c in candidates if c.step is not None and c.step <= max_step]
@@ -435,7 +444,7 @@ class CheckpointStore:
                 log.warning("checkpoint %s is corrupted (%s); falling back to the previous one", info.uri, "; ".join(exc.problems[:3]))
         return None
 
-    def read_files(self, name: str, rels: list[str]) -> dict[str, bytes]:
+    def read_files(self, name: str, rels: builtins.list[str]) -> dict[str, bytes]:
         """Small files of checkpoint `name`, checked against its manifest."""
         for rel in rels:
             check_key(rel, allow_empty=False, what="checkpoint file name")
@@ -527,7 +536,7 @@ class CheckpointStore:
         self.store.delete(self._key(name, MANIFEST))
         log.info("retired checkpoint %s", info.uri)
 
-    def apply_retention(self, keep_last: int, keep_every: int, leftover_age_s: float = LEFTOVER_AGE_S) -> list[str]:
+    def apply_retention(self, keep_last: int, keep_every: int, leftover_age_s: float = LEFTOVER_AGE_S) -> builtins.list[str]:
         """Keep the newest `keep_last` committed checkpoints and every one whose step is a
         multiple of `keep_every` (0: none); delete the rest, but only those older than the
         newest checkpoint whose bytes verify against its manifest: that one, and everything
@@ -580,7 +589,7 @@ class CheckpointStore:
             log.info("retention under %s deleted %s", self.store.uri(self.prefix), ", ".join(deleted))
         return deleted
 
-    def _tidy(self, what: str, fn: Callable[..., T], *args, **kwargs) -> T | object:
+    def _tidy(self, what: str, fn: Callable[..., T], *args, **kwargs) -> T | _Failed:
         """`fn(...)`, or `_FAILED` after a warning when it raised."""
         try:
             return fn(*args, **kwargs)
@@ -589,7 +598,7 @@ class CheckpointStore:
                         self.store.uri(self.prefix), what, type(exc).__name__, exc)  # fmt: skip
             return _FAILED
 
-    def _drop_emptied(self, removed: list[str]) -> list[str]:
+    def _drop_emptied(self, removed: builtins.list[str]) -> builtins.list[str]:
         """The checkpoint folders whose last files were the `.tmp-` leftovers just
         `removed`, removed in turn (a local folder outlives its files; only empty folders
         go, so a write that has just begun in one keeps it)."""
@@ -602,7 +611,7 @@ class CheckpointStore:
                 out.append(name)
         return out
 
-    def _delete_stale_attempts(self, committed: list[CheckpointInfo], newest_manifest: datetime) -> list[str]:
+    def _delete_stale_attempts(self, committed: builtins.list[CheckpointInfo], newest_manifest: datetime) -> builtins.list[str]:
         """Attempt folders under committed checkpoints that their manifest does not name,
         all of whose objects are older than the newest manifest."""
         folders: dict[tuple[str, str], list[str]] = {}
@@ -627,7 +636,9 @@ class CheckpointStore:
                 deleted.append(f"{name}/{folder}")
         return deleted
 
-    def _older_than_newest_good(self, candidates: list[CheckpointInfo], committed: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    def _older_than_newest_good(
+        self, candidates: builtins.list[CheckpointInfo], committed: builtins.list[CheckpointInfo]
+    ) -> builtins.list[CheckpointInfo]:
         """The `candidates` older than the newest checkpoint that verifies (checked newest
         first, reading every byte, and only when there is something to delete)."""
         if not candidates:
@@ -647,7 +658,7 @@ class CheckpointStore:
         log.error("retention under %s: no checkpoint verifies; deleting none", self.store.uri(self.prefix))
         return []
 
-    def _delete_uncommitted(self, newest_manifest: datetime) -> list[str]:
+    def _delete_uncommitted(self, newest_manifest: datetime) -> builtins.list[str]:
         deleted = []
         for name, keys in sorted(self._names()[1].items()):
             try:

@@ -60,13 +60,14 @@ def is_transient(exc: BaseException) -> bool:
     if _TRANSIENT_TYPES is None:
         _TRANSIENT_TYPES = _transient_types()
     seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, _TRANSIENT_TYPES):
+    current: BaseException | None = exc
+    while current is not None and seen < 8:
+        if isinstance(current, _TRANSIENT_TYPES):
             return True
-        code, status = _status_code(exc)
+        code, status = _status_code(current)
         if code in _TRANSIENT_CODES or (status is not None and (status >= 500 or status == 429)):
             return True
-        exc = exc.__cause__ or exc.__context__
+        current = current.__cause__ or current.__context__
         seen += 1
     return False
 

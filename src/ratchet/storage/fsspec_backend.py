@@ -7,14 +7,13 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator
-from typing import BinaryIO
 from urllib.parse import urlsplit
 
 import fsspec
 
 from ratchet.private_paths import make_private_dirs
 
-from .backends import fsync_dir, part_size_for, upload_parts
+from .backends import Readable, fsync_dir, part_size_for, upload_parts
 from .keys import check_path
 from .s3_env import S3Settings, redact
 
@@ -65,7 +64,7 @@ class FsspecBackend:
             self._discard(tmp)
             raise
 
-    def put_stream(self, path: str, stream: BinaryIO, size: int) -> None:
+    def put_stream(self, path: str, stream: Readable, size: int) -> None:
         check_path(path)
         if self.is_s3:
             self._s3_put_stream(path, stream, size)
@@ -116,7 +115,7 @@ class FsspecBackend:
         except (FileNotFoundError, OSError):
             pass
 
-    def _s3_put_stream(self, path: str, stream: BinaryIO, size: int) -> None:
+    def _s3_put_stream(self, path: str, stream: Readable, size: int) -> None:
         bucket, key, _ = self.fs.split_path(path)
         part_size = part_size_for(size, self.part_size, self.concurrency)
         if size <= part_size:

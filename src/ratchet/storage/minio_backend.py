@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from typing import BinaryIO
 from urllib.parse import urlsplit
 
 import urllib3
@@ -19,7 +18,7 @@ from minio import Minio
 from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
-from .backends import part_size_for
+from .backends import Readable, part_size_for
 from .failures import is_not_found
 from .s3_env import S3Settings
 from .keys import check_path
@@ -66,7 +65,7 @@ class MinioBackend:
     def put_bytes(self, path: str, data: bytes) -> None:
         self.put_stream(path, io.BytesIO(data), len(data))
 
-    def put_stream(self, path: str, stream: BinaryIO, size: int) -> None:
+    def put_stream(self, path: str, stream: Readable, size: int) -> None:
         bucket, key = self.split(path)
         self._client.put_object(
             bucket, key, stream, size,

@@ -24,6 +24,8 @@ wrapping, not remove it.
 
 from __future__ import annotations
 
+
+import builtins
 import hashlib
 import json
 import logging
@@ -31,7 +33,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -140,7 +142,7 @@ class ObjectStore:
             )
         if part_size < 1 or max_concurrency < 1:
             raise ValueError(f"ObjectStore: part_size and max_concurrency must be >= 1 (got {part_size}, {max_concurrency})")
-        self._options = dict(
+        self._options: dict[str, Any] = dict(
             retry_timeout_s=retry_timeout_s, retry_initial_s=retry_initial_s, retry_max_s=retry_max_s,
             part_size=part_size, max_concurrency=max_concurrency,
         )  # fmt: skip
@@ -231,7 +233,7 @@ class ObjectStore:
     def delete(self, key: str) -> None:
         self._call("delete", key, self._backend.delete, self.path(key))
 
-    def clean_leftovers(self, prefix: str = "", older_than_s: float = LEFTOVER_AGE_S, now: float | None = None) -> list[str]:
+    def clean_leftovers(self, prefix: str = "", older_than_s: float = LEFTOVER_AGE_S, now: float | None = None) -> builtins.list[str]:
         """Remove what interrupted writes left under `prefix`: the `.tmp-` objects of an
         atomic write to a local folder whose writer died, and (S3) multipart uploads never
         completed. Only those older than `older_than_s` go: a write in flight is younger
@@ -424,7 +426,7 @@ def _chain_has_secret(exc: BaseException | None) -> bool:
 _DONE = object()
 
 
-def _prefetch(chunks: Iterator[bytes], depth: int = 3, on_chunk: Callable[[bytes], None] | None = None) -> Iterator[bytes]:
+def _prefetch(chunks: Iterator[bytes], depth: int = 3, on_chunk: Callable[[bytes], None] | None = None) -> Generator[bytes, None, None]:
     """Pull `chunks` in a helper thread, `depth` ahead, so that network reads (and
     `on_chunk`, the checksum) overlap the caller's disk writes. Errors are raised in the
     caller's thread, after the chunks that came before them."""

@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ratchet.config.schema import TrackingConfig
 from ratchet.storage import MetricsLog, ObjectStore, RunLayout
@@ -178,7 +178,7 @@ class RunTracking:
                 self._guard(slot, "close", lambda: tracker.close(failed))
 
 
-def summarize(records: list[Mapping[str, Any]]) -> dict[str, float]:
+def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """A run's final numbers from its metrics.jsonl lines."""
     if not records:
         return {"steps": 0.0}
