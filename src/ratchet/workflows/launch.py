@@ -38,6 +38,7 @@ class ScheduledLaunchWorkflow:
         wid = launched_id(workflow.info().workflow_id)
         close = workflow.ParentClosePolicy.ABANDON  # deleting the schedule leaves its runs going
         if inp.kind == "run":
+            assert inp.training is not None  # LaunchInput of kind "run" carries it
             training = replace(inp.training, run_id=wid)
             result = await workflow.execute_child_workflow(
                 "TrainingWorkflow",
@@ -50,6 +51,7 @@ class ScheduledLaunchWorkflow:
                 search_attributes=sa.initial_attributes(training.config, training.lineage) if training.search_attributes else None,
             )
             return LaunchOutput(wid, {"steps": result.steps, "reward_last10": result.reward_last10, "stopped": result.stopped})
+        assert inp.sweep is not None  # LaunchInput of kind "sweep" carries it
         sweep = replace(inp.sweep, sweep_id=wid)
         summary = await workflow.execute_child_workflow(
             "SweepWorkflow",

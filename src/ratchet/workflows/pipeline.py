@@ -48,18 +48,20 @@ CHUNK_TIMEOUT = timedelta(minutes=60)
 
 @workflow.defn(name="PipelineWorkflow")
 class PipelineWorkflow:
-    def __init__(self) -> None:
-        self._inp: PipelineInput | None = None
+    # The input at construction (workflow.init): the progress query finds it from the start.
+    @workflow.init
+    def __init__(self, inp: PipelineInput) -> None:
+        self._inp: PipelineInput = inp
         self._stage = 0
         self._done: list[StageResult] = []
 
     @workflow.query
     def progress(self) -> PipelineProgress:
         inp = self._inp
-        stages = inp.stages if inp else []
+        stages = inp.stages
         current = stages[self._stage] if self._stage < len(stages) else None
         return PipelineProgress(
-            run_id=inp.run_id if inp else "",
+            run_id=inp.run_id,
             stage=self._stage,
             total_stages=len(stages),
             kind=current.kind if current else "done",

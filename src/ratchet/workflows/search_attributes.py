@@ -294,7 +294,7 @@ def activity_summary(phase: str, arg: Any, step: int) -> str:
     if phase == "release_run":
         return "release the run's actors"
     if phase == "evacuate_nodes":
-        return f"move off draining node(s) {', '.join(n[:12] for n in f('node_ids', []))}"
+        return f"move off draining node(s) {', '.join(n[:12] for n in f('node_ids', []) or [])}"
     return phase
 
 

@@ -82,8 +82,11 @@ RUNG_WAIT_S = 60.0
 
 @workflow.defn(name="SweepWorkflow")
 class SweepWorkflow:
-    def __init__(self) -> None:
-        self._inp: SweepInput | None = None
+    # The input at construction (workflow.init): a signal or query that comes before `run`
+    # starts (signal-with-start, a query on a fresh sweep) finds it.
+    @workflow.init
+    def __init__(self, inp: SweepInput) -> None:
+        self._inp: SweepInput = inp
         self._paused = False
         self._cancelling = False
         self._launched = False  # every trial that will start has started
@@ -135,14 +138,14 @@ class SweepWorkflow:
     @workflow.query
     def progress(self) -> SweepProgress:
         inp = self._inp
-        plan = inp.plan if inp else None
+        plan = inp.plan
         status = "cancelling" if self._cancelling else "paused" if self._paused else "running"
         if self._launched and not self._running:
             status = "cancelled" if self._cancelling else "completed"
         return SweepProgress(
-            sweep_id=inp.sweep_id if inp else "",
+            sweep_id=inp.sweep_id,
             status=status,
-            total=plan.trials if plan else 0,
+            total=plan.trials,
             started=self._started,
             running=sorted(self._running),
             finished=[self._results[k] for k in sorted(self._results)],
@@ -183,7 +186,7 @@ class SweepWorkflow:
 
     def _best(self) -> TrialResult | None:
         done = {k: r.objective for k, r in self._results.items() if r.state == "completed" and r.objective is not None}
-        k = es.best_index(done, self._inp.plan.direction if self._inp else "max")
+        k = es.best_index(done, self._inp.plan.direction)
         return None if k is None else self._results[k]
 
     async def _act(self, name: str, arg, result_type=None):

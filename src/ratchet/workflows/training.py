@@ -122,7 +122,7 @@ class TrainingWorkflow:
     @workflow.init
     def __init__(self, inp: TrainingInput) -> None:
         self._state: RunState | None = None
-        self._plan: LoopPlan | None = None
+        self._plan: LoopPlan = inp.plan
         self._run_id = ""
         self._phase = "starting"
         self._tokens_per_second: float | None = None
@@ -218,7 +218,7 @@ class TrainingWorkflow:
             run_id=self._run_id,
             phase="paused" if self._held_at_boundary else self._rung_phase() or self._startup or self._phase,
             step=s.next_step if s else 0,
-            total_steps=self._plan.steps if self._plan else 0,
+            total_steps=self._plan.steps,
             policy_version=s.policy_version if s else 0,
             reward_mean=s.latest_reward if s else None,
             tokens_per_second=self._tokens_per_second,
@@ -437,6 +437,7 @@ class TrainingWorkflow:
         """A resume from a checkpoint's run state: store the (possibly changed) config and
         rebuild the workers at the checkpoint's version."""
         state = start.resume
+        assert state is not None  # a restore starts from a checkpoint's run state
         self._checkpointed_step = state.next_step  # the checkpoint it restores is that step's
         prep: PrepareOutput = await self._call("prepare_run", PrepareInput(start.run_id, start.config, start.lineage), PrepareOutput)
         state.run = prep.run
