@@ -404,6 +404,7 @@ def resume(
         typer.secho(str(exc), err=True, fg="red")
         raise typer.Exit(2)
     point = handle.resumed_from
+    assert point is not None  # Client.resume says which checkpoint it chose
     console.print(
         f"resumed run {run_id} from checkpoint {point.checkpoint} (step {point.step}, policy version {point.policy_version})",
         soft_wrap=True, highlight=False, markup=False,
@@ -679,9 +680,10 @@ def runs(
         if missing:
             typer.secho(f"not in the run registry {reg.url}: {', '.join(missing)} (see `ratchet runs`)", err=True, fg="red")
             raise typer.Exit(2)
+        first, second = found  # `--compare` takes exactly two ids
         show(console, runs_table(found, "runs compared"))
-        show(console, diff_table(*found))
-        show(console, curves_table(*found, root=root))
+        show(console, diff_table(first, second))
+        show(console, curves_table(first, second, root=root))
         return
     # Runs a Temporal visibility query selects (`--where`) narrow the listing to these ids.
     run_ids: Optional[List[str]] = None

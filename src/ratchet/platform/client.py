@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 from ratchet.ids import check_id
 from ratchet.config.loop_plan import loop_plan
@@ -23,6 +23,9 @@ from ratchet.types import TASK_QUEUE, BatchStatus, LiveChange, Progress, RunStat
 from .handles import WorkflowHandle, command_for  # noqa: F401 - command_for: re-exported for senders
 from .stored_runs import make_run_id, read_run_state, stored_config_with  # noqa: F401 - read_run_state: re-exported
 from .taken_ids import check_new_run_id
+
+if TYPE_CHECKING:
+    from .pipelines import PipelineHandle
 
 WORKFLOW = "TrainingWorkflow"
 # The demo recipe, in a source checkout.
@@ -200,7 +203,7 @@ class Client:
             raise
         return desc.status.name.lower() if desc.status is not None else "known"
 
-    def submit(self, config: Any, overrides: Sequence[str] = (), *, run_id: str | None = None) -> RunHandle:
+    def submit(self, config: Any, overrides: Sequence[str] = (), *, run_id: str | None = None) -> RunHandle | PipelineHandle:
         """Validate `config` (a RunConfig, a dict, or a YAML path) and start the run."""
         from ratchet.config import RunConfig, load_config
 

@@ -25,7 +25,7 @@ from ratchet.registry.urls import sqlite_url
 
 from .assets import prepare_assets
 from .client import RECIPE_PATH as RECIPE
-from .client import Client
+from .client import Client, RunHandle
 from .payload_key import KEY_FILE_VAR, key_file_path
 from .plot import plot_or_reason
 from .services import ServiceSettings, mlflow_ui_url, ray_address, ray_auth_env, temporal_address, up
@@ -103,6 +103,11 @@ def run_demo(settings: ServiceSettings, overrides: Sequence[str], console: Conso
         console.print(f"[bold]4/4[/bold] training: run [bold]{handle.run_id}[/bold]", soft_wrap=True)
         # Links and paths are printed whole (soft_wrap): a line break inside one breaks it.
         console.print(f"      {run_link(ui_url, handle.run_id)}", soft_wrap=True)
+        if not isinstance(handle, RunHandle):  # overrides that add `stages`: a pipeline, followed as `ratchet train` does
+            from .pipelines import follow_pipeline
+
+            follow_pipeline(handle, console)
+            return 0
         summary = watch(handle, console)
     finally:
         stop_worker_process(worker)

@@ -54,6 +54,7 @@ def _start_worker(index: int) -> subprocess.Popen:
 
 def _wait_ray_ready(ray: subprocess.Popen, name: str) -> None:
     """Until `ray start` says the node runs (its output is echoed into the node's log)."""
+    assert ray.stdout is not None  # started with stdout=PIPE
     for line in iter(ray.stdout.readline, ""):
         sys.stdout.write(line)
         sys.stdout.flush()
@@ -63,6 +64,7 @@ def _wait_ray_ready(ray: subprocess.Popen, name: str) -> None:
 
 
 def _echo(ray: subprocess.Popen) -> None:
+    assert ray.stdout is not None  # started with stdout=PIPE
     for line in ray.stdout:
         sys.stdout.write(line)
         sys.stdout.flush()

@@ -116,7 +116,7 @@ def _apply_ray_auth(auth_env: dict[str, str]) -> None:
     os.environ.update(changed)
     record_applied(os.environ, changed)
     if "ray" in sys.modules:
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]  # Ray's private API
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
@@ -238,7 +238,7 @@ async def _connect_temporal(client_cls, settings: WorkerSettings, timeout_s: flo
     options["data_converter"] = data_converter(settings.payload_key_file)
     if runtime is not None:
         options["runtime"] = runtime
-    said = []
+    said: list[bool] = []  # one entry once the wait was logged
 
     def before_sleep(state) -> None:
         if not said:

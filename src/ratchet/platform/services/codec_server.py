@@ -30,7 +30,7 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
 from . import processes
@@ -85,7 +85,7 @@ def start(settings: ServiceSettings, key_file: Path, port: int | None = None) ->
         *[a for origin in origins(settings) for a in ("--origin", origin)],
     ]  # fmt: skip
     proc = processes.spawn_logged(cmd, log_file(settings), settings.state_dir, now(), keep=True)
-    rec = {
+    rec: dict[str, Any] = {
         "pid": proc.pid, "pgid": proc.pid, "start_ticks": processes.start_ticks(proc.pid), "host": settings.host, "port": port,
         "key_file": str(key_file), "log_file": str(log_file(settings)), "cmd": cmd, "started_at": now(),
     }  # fmt: skip
@@ -102,7 +102,7 @@ def start(settings: ServiceSettings, key_file: Path, port: int | None = None) ->
     return rec
 
 
-def is_ours(rec: dict[str, Any] | None) -> bool:
+def is_ours(rec: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     return bool(rec) and processes.same_process(rec.get("pid"), rec.get("start_ticks"))  # type: ignore[union-attr]
 
 
@@ -122,11 +122,11 @@ def describe(rec: dict[str, Any] | None) -> tuple[bool, str]:
 def stop(rec: dict[str, Any] | None, timeout: float) -> bool:
     if not rec:
         return False
-    pid = rec.get("pid")
     if not is_ours(rec):
-        if pid:
-            processes.reap(pid)
+        if rec.get("pid"):
+            processes.reap(rec["pid"])
         return False
+    pid: int = rec["pid"]
     logger.info("stopping the Temporal UI's codec server (pid %s)", pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ratchet.tracking.mlflow_tracker import create_sqlite_store, quiet_mlflow_env
 from ratchet.tracking.uris import MLFLOW_DB, default_mlflow_uri, mlflow_artifacts_dir
@@ -45,7 +45,7 @@ def command(settings: ServiceSettings) -> list[str]:
     ]  # fmt: skip
 
 
-def is_ours(rec: dict[str, Any] | None) -> bool:
+def is_ours(rec: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     return bool(rec) and bool(rec.get("pid")) and processes.same_process(rec.get("pid"), rec.get("start_ticks"))  # type: ignore[union-attr]
 
 
@@ -58,6 +58,7 @@ def start(settings: ServiceSettings) -> dict[str, Any]:
     """Spawn the server without waiting for it; the record says why when it cannot start
     (an `error` and no pid) instead of raising."""
     port, url = settings.mlflow_ui_port, mlflow_ui_url(settings)
+    assert port is not None  # `ensure` starts it only when a port was asked for
     base = {"host": settings.host, "port": port, "url": url, "log_file": str(settings.mlflow_ui_log), "started_at": now()}
     if importlib.util.find_spec("mlflow") is None:
         return {**base, "error": "mlflow is not installed in this environment (pip install mlflow)"}
@@ -92,11 +93,11 @@ def describe(rec: dict[str, Any] | None) -> tuple[bool, str]:
 
 def stop(rec: dict[str, Any], timeout: float) -> bool:
     """Stop the recorded server's process group (the server and its uvicorn worker)."""
-    pid = rec.get("pid")
     if not is_ours(rec):
-        if pid:
-            processes.reap(pid)
+        if rec.get("pid"):
+            processes.reap(rec["pid"])
         return False
+    pid: int = rec["pid"]
     members = processes.group_pids(pid)  # started in its own session: group id = pid
     logger.info("stopping the MLflow UI (pid %s, group %s)", pid, members)
     try:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import psutil
 
@@ -190,7 +190,7 @@ def spawn_logged(
     log_path: Path,
     cwd: Path,
     started_at: str,
-    env: dict | None = None,
+    env: Mapping[str, str] | None = None,
     keep: bool = False,
 ) -> subprocess.Popen:
     """Start `cmd` detached, in a new session (its own process group), appending to

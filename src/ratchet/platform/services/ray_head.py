@@ -12,7 +12,7 @@ import secrets
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ratchet.private_paths import UnsafeLocalDir, create_secret_file, ensure_private_dir
 
@@ -76,7 +76,7 @@ def _package_dir() -> str:
     return os.sep + "ray" + os.sep
 
 
-def is_ours(rec: dict[str, Any] | None) -> bool:
+def is_ours(rec: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     """The recorded GCS server still runs (not a process that reused its pid)."""
     return bool(rec) and processes.same_process(rec.get("gcs_pid"), rec.get("gcs_start_ticks"))  # type: ignore[union-attr]
 

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from . import processes
 from .ray_auth import ray_auth_env
@@ -124,7 +124,7 @@ def _read_from(path: Path, offset: int) -> str:
         return ""
 
 
-def is_ours(rec: dict[str, Any] | None) -> bool:
+def is_ours(rec: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     """The recorded supervisor still runs (not a process that reused its pid)."""
     return bool(rec) and processes.same_process(rec.get("pid"), rec.get("start_ticks"))  # type: ignore[union-attr]
 

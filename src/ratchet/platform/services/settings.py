@@ -88,7 +88,8 @@ def free_ports(n: int) -> list[int]:
 
 
 def _kernel_ports(n: int) -> list[int]:
-    socks, ports = [], []
+    socks: list = []
+    ports: list[int] = []
     try:
         while len(ports) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

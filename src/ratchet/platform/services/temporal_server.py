@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 from . import codec_server, processes
 from .ports import can_connect
@@ -76,7 +76,7 @@ def ensure_search_attributes(address: str, namespace: str, timeout: float) -> li
     return _run_sync(ensure)
 
 
-def is_ours(rec: dict[str, Any] | None) -> bool:
+def is_ours(rec: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     """The recorded server process still runs (not a process that reused its pid)."""
     return bool(rec) and processes.same_process(rec.get("pid"), rec.get("start_ticks"))  # type: ignore[union-attr]
 
@@ -138,7 +138,7 @@ def _start(settings: ServiceSettings, codec: dict[str, Any]) -> dict[str, Any]:
     log_path = settings.temporal_log
     proc = processes.spawn_logged(cmd, log_path, settings.state_dir, now(), keep=True)
     logger.info("starting Temporal dev server (pid %s) on %s", proc.pid, temporal_address(settings))
-    rec = {
+    rec: dict[str, Any] = {
         "pid": proc.pid,
         "pgid": proc.pid,
         "start_ticks": processes.start_ticks(proc.pid),
