@@ -65,11 +65,12 @@ class TrainerWorker:
     def __init__(self, cfg: RunConfig, policy_path: str, run_uri: str, rank: int, world_size: int):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self._policy_uri, self._policy_path = policy_path, None
+        self._policy_uri = policy_path
+        self._policy_path: str | None = None
         self.run_uri = run_uri
         self.run = ObjectStore(run_uri)
         self.trainer: PolicyTrainer | None = None
-        self._last = None  # ((batch index, version it trained), StepResult) of the latest update
+        self._last: tuple | None = None  # ((batch index, version it trained), StepResult) of the latest update
         self._checkpointing: threading.Thread | None = None  # the background write and upload
         # (version, its buckets in the object store) after each update, on rank 0, when syncs
         # overlap updates (partial rollouts): a sync need not wait for the update in flight.
@@ -81,6 +82,13 @@ class TrainerWorker:
         self._checkpoint_request: tuple | None = None  # (step, run_state, extra files, version) of the latest
         self._num_parameters = 0
         self.process_group_inits = 0  # init_process_group calls in this actor (once, or a retry broke it)
+
+    @property
+    def policy(self) -> PolicyTrainer:
+        """The rank's policy trainer, made by `setup` (a RuntimeError naming the rank before)."""
+        if self.trainer is None:
+            raise RuntimeError(f"trainer rank {self.rank} is not set up: `setup` comes first")
+        return self.trainer
 
     @property
     def policy_path(self) -> str:
@@ -170,12 +178,12 @@ class TrainerWorker:
         """Put this version's buckets into the object store (rank 0; every rank gathers)."""
         source = self._put_buckets(*self._sync_plan())
         if source is not None:
-            self._published = (self.trainer.version, source)
+            self._published = (self.policy.version, source)
 
     def _put_buckets(self, entries, manifest) -> PublishedSource | None:
         """Every bucket of `manifest` into the object store, once the weights are checked
         finite; the source on rank 0, None on the others (they only join the gathers)."""
-        check_finite_shards(entries, f"the weights of policy v{self.trainer.version} (to be synced)", self.world_size)
+        check_finite_shards(entries, f"the weights of policy v{self.policy.version} (to be synced)", self.world_size)
         refs: list = []
         put = refs.append if self.rank == 0 and ray.is_initialized() else None
         gather_and_offer(entries, manifest, (lambda b: put(ray.put(b))) if put else None)
@@ -222,7 +230,7 @@ class TrainerWorker:
     _engine_group = None  # rank 0: its membership of the engine group (device_sync.EngineGroup)
 
     def _sync_device(self):
-        return next(self.trainer.model.parameters()).device
+        return next(self.policy.model.parameters()).device
 
     def _sync_frame(self, sync_id: str, relay: BucketRelay | None, send) -> StreamReport:
         """Plan, check finiteness, then `send(entries, manifest)` -> (bytes, failure): the
@@ -232,7 +240,7 @@ class TrainerWorker:
             self._relays.open(sync_id, relay)
         try:
             entries, manifest = self._sync_plan()
-            check_finite_shards(entries, f"the weights of policy v{self.trainer.version} (to be synced)", self.world_size)
+            check_finite_shards(entries, f"the weights of policy v{self.policy.version} (to be synced)", self.world_size)
         except Exception as e:
             if relay is not None:
                 relay.fail(f"{type(e).__name__}: {e}")
@@ -323,21 +331,21 @@ class TrainerWorker:
         cfg = live_config(self.cfg, live or {})
         hyper = optimizer or config_hyperparameters(cfg)
         store = BatchStore(self.run)
-        if self._last is not None and self._last[0] == (batch_index, policy_version) and self.trainer.version == policy_version + 1:
+        if self._last is not None and self._last[0] == (batch_index, policy_version) and self.policy.version == policy_version + 1:
             result = self._last[1]
         else:
-            if policy_version != self.trainer.version:
-                raise RuntimeError(f"trainer holds policy v{self.trainer.version}, asked to train v{policy_version}")
+            if policy_version != self.policy.version:
+                raise RuntimeError(f"trainer holds policy v{self.policy.version}, asked to train v{policy_version}")
             data = data if data is not None else load_step(store, batch_index, parts)  # in memory: train_handed
-            apply_optimizer_hyperparameters(self.trainer, hyper)
+            apply_optimizer_hyperparameters(self.policy, hyper)
             values = store.read(batch_index, Parts.VALUES)[0][Fields.VALUES] if store.has(batch_index, Parts.VALUES) else None
-            self.trainer.cfg = cfg  # the loss weights, clip bounds and epochs it reads per update
+            self.policy.cfg = cfg  # the loss weights, clip bounds and epochs it reads per update
             try:
-                result = self.trainer.train_step(data, kl_coef=kl_coef, values=values, safe_lambda=safe_lambda)
+                result = self.policy.train_step(data, kl_coef=kl_coef, values=values, safe_lambda=safe_lambda)
             except NonFiniteError as e:
                 raise NonFiniteError(f"batch {batch_index} (policy v{policy_version}): {e}") from None
             finally:
-                self.trainer.cfg = self.cfg
+                self.policy.cfg = self.cfg
             self._last = ((batch_index, policy_version), result)
             if self.cfg.uses_partial_rollouts:
                 self._publish()
@@ -358,7 +366,7 @@ class TrainerWorker:
         result.metrics["train_seconds"] = time.perf_counter() - t0
         result.metrics["lr"] = float(hyper["lr"])  # the learning rate this update used (live or the config's)
         return TrainResult(
-            policy_version=self.trainer.version, metrics=result.metrics, kl_coef=result.kl_coef, safe_lambda=result.safe_lambda
+            policy_version=self.policy.version, metrics=result.metrics, kl_coef=result.kl_coef, safe_lambda=result.safe_lambda
         )
 
     # A batch handed over in memory (train_handed), kept with the update it went into.
@@ -382,7 +390,7 @@ class TrainerWorker:
         The step calls this with num_returns=3 and chains each replica's load on the third
         value, so the replicas load while the other two come back."""
         key = (batch_index, policy_version)
-        repeat = self._last is not None and self._last[0] == key and self.trainer.version == policy_version + 1
+        repeat = self._last is not None and self._last[0] == key and self.policy.version == policy_version + 1
         if repeat and self._handed is not None and self._handed[0] == key:
             step = self._handed[1]
         elif repeat or scores is None:
@@ -431,17 +439,17 @@ class TrainerWorker:
         waited = self.wait_checkpoint().seconds  # one checkpoint in flight at a time
         t0 = time.perf_counter()
         name = RunLayout.checkpoint_name(step)
-        meta = {"step": step, "policy_version": self.trainer.version, "world_size": self.world_size}
+        meta = {"step": step, "policy_version": self.policy.version, "world_size": self.world_size}
         # For the HF export; with LoRA the adapter alone (the base stays where it is: workers/lora.py).
         full = {
             k: v.clone()
-            for k, v in (adapter_state(self.trainer.model) if getattr(self.trainer, "lora", None) else self.trainer.full_state()).items()
+            for k, v in (adapter_state(self.policy.model) if getattr(self.trainer, "lora", None) else self.policy.full_state()).items()
         }
         # Every rank holds the full weights here, so every rank refuses alike.
-        check_finite_weights(full, f"the weights of policy v{self.trainer.version} (checkpoint {name})")
-        snap = snapshot(self.trainer, meta)
+        check_finite_weights(full, f"the weights of policy v{self.policy.version} (checkpoint {name})")
+        snap = snapshot(self.policy, meta)
         stall = time.perf_counter() - t0
-        self._checkpoint_request = (step, run_state, extra_files or {}, self.trainer.version)
+        self._checkpoint_request = (step, run_state, extra_files or {}, self.policy.version)
         args = (snap, full if self.rank == 0 else None, name, meta, run_state, extra_files or {})
         self._checkpoint_error = None
         if foreground:
@@ -453,7 +461,7 @@ class TrainerWorker:
             name=name,
             stall_seconds=stall,
             waited_seconds=waited,
-            policy_version=self.trainer.version,
+            policy_version=self.policy.version,
             error=self._checkpoint_error if foreground else None,
         )
 
@@ -465,10 +473,10 @@ class TrainerWorker:
         if self._checkpoint_request is None:
             return CheckpointOutcome(error=None)
         step, run_state, extra_files, version = self._checkpoint_request
-        if self.trainer.version != version:
+        if self.policy.version != version:
             return CheckpointOutcome(
                 error=f"checkpoint {RunLayout.checkpoint_name(step)} failed ({self._checkpoint_error}) and cannot be taken again: "
-                f"the trainer has trained on from v{version} to v{self.trainer.version}",
+                f"the trainer has trained on from v{version} to v{self.policy.version}",
                 impossible=True,
             )
         return CheckpointOutcome(error=self.start_checkpoint(step, run_state, extra_files, foreground=True).error)
@@ -536,7 +544,7 @@ class TrainerWorker:
 
     def _write_rank0_files(self, local: Path, full_state: dict, run_state: dict, extra_files: dict[str, bytes]) -> None:
         if getattr(self.trainer, "lora", None) is not None:  # peft's adapter folder, naming the base it needs
-            write_adapter_folder(self.trainer.model, full_state, local / RunLayout.CHECKPOINT_HF)
+            write_adapter_folder(self.policy.model, full_state, local / RunLayout.CHECKPOINT_HF)
         else:
             self._write_hf(full_state, local / RunLayout.CHECKPOINT_HF)  # committed by the checkpoint's manifest
         (local / RunLayout.RUN_STATE).write_text(json.dumps(run_state, sort_keys=True))
@@ -629,16 +637,16 @@ class TrainerWorker:
         every rank's files: `restore_from_store` is the way for ranks on several nodes."""
         from .checkpointing import load_trainer_state
 
-        load_trainer_state(self.trainer, Path(local_dir) / RunLayout.TRAINER_STATE)
+        load_trainer_state(self.policy, Path(local_dir) / RunLayout.TRAINER_STATE)
         self._last = None  # a retry cache of the replaced state must not answer for the new one
         self._published = None
-        return self.trainer.version
+        return self.policy.version
 
     def export(self, key: str) -> str | None:
         """Save the policy in Hugging Face format under the run folder, its manifest last
         (every rank calls: unsharding is a collective; rank 0 writes)."""
-        state = self.trainer.full_state()
-        check_finite_weights(state, f"the weights of policy v{self.trainer.version} (export to {key})")
+        state = self.policy.full_state()
+        check_finite_weights(state, f"the weights of policy v{self.policy.version} (export to {key})")
         if self.rank != 0:
             return None
         with tempfile.TemporaryDirectory(prefix="ratchet-hf-") as tmp:
