@@ -145,20 +145,16 @@ class SupervisedStageWorkflow:
         steps, chunk = int(inp.stage["steps"]), int(inp.stage["chunk_steps"])
         while state.next_step < steps:
             end = min(steps, state.next_step + chunk)
+            # fmt: off
+            chunk_input = ChunkInput(
+                run_id=inp.run_id, storage_root=inp.storage_root, stage_index=inp.stage_index, stage=inp.stage,
+                model_uri=inp.model_uri, start=state.next_step, end=end, seed=inp.seed, torch_threads=inp.torch_threads,
+                cpus=inp.cpus,
+            )
+            # fmt: on
             out: ChunkOutput = await workflow.execute_activity(
                 "supervised_chunk",
-                ChunkInput(
-                    run_id=inp.run_id,
-                    storage_root=inp.storage_root,
-                    stage_index=inp.stage_index,
-                    stage=inp.stage,
-                    model_uri=inp.model_uri,
-                    start=state.next_step,
-                    end=end,
-                    seed=inp.seed,
-                    torch_threads=inp.torch_threads,
-                    cpus=inp.cpus,
-                ),  # fmt: skip
+                chunk_input,
                 result_type=ChunkOutput,
                 start_to_close_timeout=CHUNK_TIMEOUT,
                 heartbeat_timeout=timedelta(seconds=inp.heartbeat_timeout_s),
