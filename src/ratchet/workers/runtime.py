@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 # unmapped. Set through mallopt, as glibc's MALLOC_*_ environment variables would at the
 # process's start (an actor then needs no runtime_env: see actors/placement.actor_env); a
 # value of those variables in the process's environment wins.
-MALLOC_THRESHOLDS = {"MALLOC_MMAP_THRESHOLD_": 32 << 20, "MALLOC_TRIM_THRESHOLD_": 256 << 20}
-_MALLOPT_PARAMS = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}  # glibc's M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
+# variable -> (mallopt's parameter for it: glibc's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD; value)
+MALLOC_THRESHOLDS = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20), "MALLOC_TRIM_THRESHOLD_": (-1, 256 << 20)}
 
 
 def configure_worker_process(torch_threads: int, deterministic_seed: int | None = None) -> None:
@@ -47,23 +47,16 @@ def configure_worker_process(torch_threads: int, deterministic_seed: int | None 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def keep_freed_memory() -> dict[str, int]:
-    """Apply `MALLOC_THRESHOLDS` to this process's malloc; what was set, by variable name
-    (nothing where the C library is not glibc, or where the environment set it already:
-    glibc read it at the start)."""
+def keep_freed_memory() -> None:
+    """Apply `MALLOC_THRESHOLDS` to this process's malloc, except where the C library is not
+    glibc or the environment set the variable already (glibc read it at the start)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS): their defaults stay
-        return {}
-    done = {}
-    for name, value in MALLOC_THRESHOLDS.items():
-        if name in os.environ:
-            continue
-        if mallopt(_MALLOPT_PARAMS[name], value) != 1:
+        return
+    for name, (param, value) in MALLOC_THRESHOLDS.items():
+        if name not in os.environ and mallopt(param, value) != 1:
             log.warning("mallopt refused %s=%d; glibc's default stays", name, value)
-            continue
-        done[name] = value
-    return done
 
 
 def enable_determinism(seed: int) -> None:

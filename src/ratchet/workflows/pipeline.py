@@ -71,7 +71,6 @@ class PipelineWorkflow:
 
     @workflow.run
     async def run(self, inp: PipelineInput) -> PipelineSummary:
-        self._inp = inp
         model = inp.model_uri
         for plan in inp.stages:
             self._stage = plan.index

@@ -159,7 +159,6 @@ class SweepWorkflow:
 
     @workflow.run
     async def run(self, inp: SweepInput) -> SweepSummary:
-        self._inp = inp
         plan = inp.plan
         await self._act("sweep_begin", SweepBeginInput(inp.sweep_id, inp.spec))
         judged = plan.stop_rule != "none" and bool(plan.rungs)

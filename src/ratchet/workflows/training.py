@@ -241,7 +241,7 @@ class TrainingWorkflow:
 
     @workflow.run
     async def run(self, inp: TrainingInput) -> RunSummary:
-        self._run_id, self._plan = inp.run_id, inp.plan
+        self._run_id = inp.run_id
         self._live.config = inp.config
         self._search_attributes = inp.search_attributes
         self._hold_at_steps = list(inp.hold_at_steps)
