@@ -3,7 +3,8 @@ tiny sizes, a few steps), or run by a test of its own (named below).
 
 The smoke runs that start a Ray or a whole platform of their own (`benchmark_smoke`
 marker: engines, learning_spread, startup, step_overhead, weight_sync) take 1-2 minutes
-each on CI's two cores, model loads and actor start-ups that no size shrinks; `make
+each on CI's two cores, model loads and actor start-ups that no size shrinks (and
+temporal_exit starts a Temporal server of its own, for scripts that start ten more); `make
 bench-smoke` runs them all, `make test` only the others and the guard below.
 
 A benchmark is run by hand, rarely, and the code it calls changes under it: without this,
@@ -39,6 +40,7 @@ SMOKE = {
     "learning_spread": ["lora-ranks: seeds 0", "adapter diff", "merged diff"],
     "startup": ["start-up: submit to the first step", "start_workers", "total: submit to the first metrics line"],
     "step_overhead": ["seconds per GRPO step", "plain loop (in-process), before", "ratchet (workflow + Ray)"],
+    "temporal_exit": ["crashes at exit", "SDK client alone", "SDK client, ratchet's exit guard", "ratchet.Client"],
     "weight_sync": ["weight sync trainer -> engine", "4"],
 }
 
@@ -67,7 +69,7 @@ def test_every_benchmark_is_run_by_the_suite():
 
 
 # Start a Ray or a platform of their own: `make bench-smoke`, not `make test`.
-OWN_SERVICES = {"engines", "learning_spread", "startup", "step_overhead", "weight_sync"}
+OWN_SERVICES = {"engines", "learning_spread", "startup", "step_overhead", "temporal_exit", "weight_sync"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.benchmark_smoke) if s in OWN_SERVICES else s for s in sorted(SMOKE)])

@@ -168,11 +168,13 @@ class Client:
 
         from .payload_codec import data_converter
         from .temporal_connection import connect_options
+        from .temporal_exit import guard_interpreter_exit
         from .worker import default_temporal_address
 
         address = address or default_temporal_address()
         options = connect_options(namespace)  # before the loop: a bad variable names itself
         options["data_converter"] = data_converter(payload_key_file)  # a bad key file names itself too
+        guard_interpreter_exit()  # the SDK's threads can crash an exit that does not wait for them
         loop = asyncio.new_event_loop()
         temporal = loop.run_until_complete(TemporalClient.connect(address, **options))
         return cls(temporal, loop, task_queue)

@@ -25,6 +25,9 @@ __all__ = ["healthy", "probe", "start", "stop"]
 
 def _run_sync(coro_factory) -> Any:
     """Run a coroutine to completion, also when called from inside an event loop."""
+    from ratchet.platform.temporal_exit import guard_interpreter_exit
+
+    guard_interpreter_exit()  # every coroutine run here makes a Temporal client
     try:
         asyncio.get_running_loop()
     except RuntimeError:
