@@ -2,8 +2,8 @@
 how much extra memory does it take?
 
 Two synthetic Llama models (~100 MB and ~1 GB of float32 weights, random, built here)
-sit in a trainer actor that runs ratchet's own streaming sync (`TrainerWorker.stream_weights`
-and the `sync_*` relay methods, `weight_sync.ray_transport.stream_sync`) into a receiver
+sit in a trainer actor that runs ratchet's own object-store sync (`TrainerWorker.send_weights`
+and the `sync_*` relay methods, driven by `weight_sync.transport.relayed_sync`) into a receiver
 actor that loads every bucket into a model of its own through the HF engine's
 `load_weights`. For each bucket size: GB/s (model bytes / sync seconds, as the driver
 sees it, best of --repeats after a warm-up sync), and the peak extra memory during the
@@ -34,7 +34,8 @@ from rich.table import Table  # noqa: E402
 from ratchet.config.schema import RunConfig  # noqa: E402
 from ratchet.workers.trainer import TrainerWorker  # noqa: E402
 from ratchet.workers.weight_sync import MB, as_source  # noqa: E402
-from ratchet.workers.weight_sync.ray_transport import stream_sync  # noqa: E402
+from ratchet.workers.weight_sync.ray_transport import OBJECT_STORE  # noqa: E402
+from ratchet.workers.weight_sync.transport import relayed_sync  # noqa: E402
 
 
 def llama_config(megabytes: float):
@@ -138,6 +139,9 @@ class BenchEngine:
         HFEngine.load_weights(self, source.pairs())
         return source.nbytes
 
+    def receive_weights(self, transport: str, rank, sync_id: str, consumer: int) -> int:
+        return self.load_weights(OBJECT_STORE.source(self, rank, sync_id, consumer))
+
     def rss_start(self) -> None:
         self.rss.start()
 
@@ -191,13 +195,13 @@ def run(size_mb: float, bucket_sizes: list[float], repeats: int) -> list[dict]:
         expected = ray.get(trainer.checksum.remote())
         for bucket_mb in bucket_sizes:
             ray.get(trainer.set_bucket_mb.remote(bucket_mb))
-            stream_sync([trainer], [engine], ray.get)  # warm-up: first touches of the store's pages
+            relayed_sync(OBJECT_STORE, [trainer], [engine], ray.get)  # warm-up: first touches of the store's pages
             best = None
             for _ in range(repeats):
                 ray.get([trainer.rss_start.remote(), engine.rss_start.remote()])
                 with PlasmaPeak() as plasma:
                     t0 = time.perf_counter()
-                    result = stream_sync([trainer], [engine], ray.get)
+                    result = relayed_sync(OBJECT_STORE, [trainer], [engine], ray.get)
                     seconds = time.perf_counter() - t0
                 rss_trainer, rss_engine = ray.get([trainer.rss_stop.remote(), engine.rss_stop.remote()])
                 row = dict(

@@ -128,7 +128,7 @@ def test_nan_weights_are_never_checkpointed_or_synced(tiny_model, tmp_path):
     assert worker.wait_checkpoint().error is None  # nothing was started
     assert CheckpointStore(run).list() == []
     with pytest.raises(NonFiniteError, match=r"\(to be synced\) hold NaN/inf values"):
-        worker.stream_weights("sync-1", consumers=1)  # refused before the first bucket leaves
+        worker.send_weights("sync-1", "object_store", 1)  # refused before the first bucket leaves
 
 
 # --------------------------------------------------------------------------- reward functions

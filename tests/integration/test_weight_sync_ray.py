@@ -93,7 +93,7 @@ def test_sync_streams_two_fsdp2_ranks_into_the_rollout_engine(run):
     actors, ranks, rollouts = run
     out = actors.sync_weights(0)
     full = ray.get([r.__ray_call__.remote(full_weights) for r in ranks])[0]
-    assert out.version == 0 and out.replicas == 1 and out.transport == "stream"
+    assert out.version == 0 and out.replicas == 1 and out.transport == "object_store"
     assert out.bytes == sum(v.nbytes for k, v in full.items() if k != "lm_head.weight")
     assert out.buckets > 3  # bounded buckets, not one model-sized buffer
     state, engine_lp, version = ray.get(rollouts[0].__ray_call__.remote(engine_view))
@@ -107,11 +107,12 @@ def test_one_gather_fans_out_to_every_replica_and_nan_is_refused_first(run):
     import ray
 
     from ratchet.errors import NonFiniteError
-    from ratchet.workers.weight_sync.ray_transport import stream_sync
+    from ratchet.workers.weight_sync.ray_transport import OBJECT_STORE
+    from ratchet.workers.weight_sync.transport import relayed_sync
 
     actors, ranks, rollouts = run
     ray.get([r.__ray_call__.remote(perturb, 8) for r in ranks])
-    out = stream_sync(ranks, rollouts, actors.wait)
+    out = relayed_sync(OBJECT_STORE, ranks, rollouts, actors.wait)
     assert out.replicas == 2 and out.bytes == 2 * (out.bytes // 2)
     full = ray.get([r.__ray_call__.remote(full_weights) for r in ranks])[0]
     views = ray.get([r.__ray_call__.remote(engine_view) for r in rollouts])
@@ -120,7 +121,7 @@ def test_one_gather_fans_out_to_every_replica_and_nan_is_refused_first(run):
     # A NaN on rank 1's shard: refused before any bucket leaves; the engines keep serving.
     ray.get([r.__ray_call__.remote(poison) for r in ranks])
     with pytest.raises(NonFiniteError, match=r"\(to be synced\) hold NaN/inf values"):
-        stream_sync(ranks, rollouts, actors.wait)
+        relayed_sync(OBJECT_STORE, ranks, rollouts, actors.wait)
     for before, rollout in zip(views, rollouts):
         state, _, version = ray.get(rollout.__ray_call__.remote(engine_view))
         assert version == 0 and all(np.array_equal(state[k], before[0][k]) for k in state)

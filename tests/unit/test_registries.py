@@ -299,8 +299,30 @@ def test_the_catalog_tables_load_no_heavy_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     # algorithms (adv, policy loss, kl, loss aggregation, off-policy, preference), engines,
-    # storage schemes, loop modes, trackers, tool classes
-    assert int(out.stdout) >= 11, out.stdout
+    # storage schemes, loop modes, trackers, tool classes, weight transports
+    assert int(out.stdout) >= 12, out.stdout
+
+
+# --------------------------------------------------------------------------- weight transports
+
+
+def test_the_weight_transports_are_the_configs_and_each_has_every_side():
+    """`trainer.sync_transport` accepts `auto` and exactly the catalog's transports, the
+    placement rules (config/sync_transport.py) know each one, and each entry has the driver's,
+    the trainer rank's and the replica's side of the WeightTransport interface under its own name."""
+    import typing
+
+    from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
+    from ratchet.config.schema import TrainerConfig
+    from ratchet.config.sync_transport import Transport
+
+    allowed = set(typing.get_args(TrainerConfig.model_fields["sync_transport"].annotation))
+    assert allowed == {"auto", *WEIGHT_TRANSPORTS}, "trainer.sync_transport's Literal and catalog/weight_transports.py differ"
+    assert {t.value for t in Transport} == set(WEIGHT_TRANSPORTS), "give config/sync_transport.py a rule for each transport"
+    for name, transport in WEIGHT_TRANSPORTS.objects():
+        assert transport.name == name
+        for method in ("serving", "prepare", "open_relay", "send", "source"):
+            assert callable(getattr(transport, method, None)), f"{name} has no {method}"
 
 
 def test_config_imports_nothing_from_workers_or_workflows():

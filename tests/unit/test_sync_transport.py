@@ -174,16 +174,17 @@ def assert_serves(replica, weights: dict[str, torch.Tensor], version: int) -> No
 
 
 def test_cuda_ipc_sync_through_the_actors_with_shared_memory_standing_in(run, threads):
-    """CUDA IPC wiring (trainer.stream_weights_ipc, sync_take_shared, replica.load_weights_ipc)
+    """CUDA IPC wiring (trainer.send_weights, sync_take, replica.receive_weights)
     with CPU shared memory standing in for the CUDA IPC handles: one trainer rank hands
     every bucket by handle to two replicas, which load it and acknowledge; the rank holds
     at most two buckets, and both engines end bit-exact on the trainer's weights."""
-    from ratchet.workers.weight_sync.device_sync import ipc_sync
+    from ratchet.workers.weight_sync.device_sync import CUDA_IPC
+    from ratchet.workers.weight_sync.transport import relayed_sync
 
     replicas = [run.replica(), run.replica()]
     weights = new_policy(run.trainer, seed=1)
     _, manifest = run.trainer._sync_plan()
-    result = ipc_sync([Direct(run.trainer, threads)], [Direct(r, threads) for r in replicas], [0, 0], wait)
+    result = relayed_sync(CUDA_IPC, [Direct(run.trainer, threads)], [Direct(r, threads) for r in replicas], wait, serving=[0, 0])
     assert result.transport == "cuda_ipc" and result.replicas == 2 and result.version == run.trainer.trainer.version
     assert result.buckets == len(manifest.buckets) > 5
     assert result.bytes == 2 * manifest.total_bytes
@@ -196,7 +197,8 @@ def test_an_ipc_sync_of_non_finite_weights_reaches_no_engine(run, threads):
     """As above (shared memory for CUDA IPC): NaN weights are refused before any handle
     leaves; the trainer's error is the one raised, and the replica keeps its version."""
     from ratchet.errors import NonFiniteError
-    from ratchet.workers.weight_sync.device_sync import ipc_sync
+    from ratchet.workers.weight_sync.device_sync import CUDA_IPC
+    from ratchet.workers.weight_sync.transport import relayed_sync
 
     replica = run.replica()
     param = next(run.trainer.trainer.model.parameters())
@@ -205,7 +207,7 @@ def test_an_ipc_sync_of_non_finite_weights_reaches_no_engine(run, threads):
         param[0, 0] = float("nan")
     try:
         with pytest.raises(NonFiniteError, match="NaN"):
-            ipc_sync([Direct(run.trainer, threads)], [Direct(replica, threads)], [0], wait)
+            relayed_sync(CUDA_IPC, [Direct(run.trainer, threads)], [Direct(replica, threads)], wait)
     finally:
         with torch.no_grad():
             param.copy_(keep)
@@ -217,12 +219,13 @@ def test_nccl_sync_through_the_actors_with_gloo_standing_in(run, threads):
     bucket once both replicas are ready, manifest and readiness through the actors'
     methods) with gloo standing in for NCCL: both engines bit-exact; the group is made
     once and reused, and made again when a replica is recreated."""
-    from ratchet.workers.weight_sync.device_sync import ensure_engine_group, nccl_sync
+    from ratchet.workers.weight_sync.device_sync import NCCL, ensure_engine_group
+    from ratchet.workers.weight_sync.transport import relayed_sync
 
     rank0 = Direct(run.trainer, threads)
     replicas = [Direct(run.replica(), threads), Direct(run.replica(), threads)]
     weights = new_policy(run.trainer, seed=2)
-    result = nccl_sync([rank0], replicas, wait, sync_id=uuid.uuid4().hex)
+    result = relayed_sync(NCCL, [rank0], replicas, wait, sync_id=uuid.uuid4().hex)
     assert result.transport == "nccl" and result.replicas == 2 and result.buckets > 5
     _, manifest = run.trainer._sync_plan()
     assert result.bytes == 2 * manifest.total_bytes
@@ -234,13 +237,13 @@ def test_nccl_sync_through_the_actors_with_gloo_standing_in(run, threads):
     # Same members: the group stays; a sync goes through it again.
     assert ensure_engine_group(rank0, replicas, wait) is False
     weights = new_policy(run.trainer, seed=3)
-    assert nccl_sync([rank0], replicas, wait).version == run.trainer.trainer.version
+    assert relayed_sync(NCCL, [rank0], replicas, wait).version == run.trainer.trainer.version
     assert_serves(replicas[1].obj, weights, run.trainer.trainer.version)
 
     # A replica recreated: the membership changed, the group is made anew for all.
     replicas[1] = Direct(run.replica(), threads)
     weights = new_policy(run.trainer, seed=4)
-    result = nccl_sync([rank0], replicas, wait)
+    result = relayed_sync(NCCL, [rank0], replicas, wait)
     assert run.trainer.engine_group_key() not in (None, first_key)
     for r in replicas:
         assert_serves(r.obj, weights, result.version)
@@ -251,7 +254,8 @@ def test_a_replica_that_refuses_a_broadcast_sync_stops_it_without_a_hang(run, th
     aborts the sync through Ray before rank 0 broadcasts anything, so the other replica is
     not left waiting inside a collective; both keep their versions."""
     from ratchet.workers.weight_sync import SyncAborted, WeightNamesMismatch
-    from ratchet.workers.weight_sync.device_sync import nccl_sync
+    from ratchet.workers.weight_sync.device_sync import NCCL
+    from ratchet.workers.weight_sync.transport import relayed_sync
 
     good, picky = run.replica(), run.replica()
     # The picky replica serves a model of other names: its names check reads another folder.
@@ -266,7 +270,7 @@ def test_a_replica_that_refuses_a_broadcast_sync_stops_it_without_a_hang(run, th
     monkeypatch.setattr(rollout_module, "_model_weight_names", names)
     new_policy(run.trainer, seed=5)
     with pytest.raises((WeightNamesMismatch, SyncAborted)) as info:
-        nccl_sync([Direct(run.trainer, threads)], [Direct(good, threads), Direct(picky, threads)], wait)
+        relayed_sync(NCCL, [Direct(run.trainer, threads)], [Direct(good, threads), Direct(picky, threads)], wait)
     assert "do not match the rollout model's parameters" in str(info.value)
     assert good.version == 0 and picky.version == 0
 
@@ -310,9 +314,10 @@ def on_ray_gpus(tmp_path, tiny_model, copy_data, trainer_gpus: float, replica_gp
 def test_cuda_ipc_sync_between_two_ray_actors_on_one_gpu(tiny_model, copy_data, tmp_path):
     """The real CUDA IPC path: trainer rank and replica share one GPU (half each, Ray's
     fractional GPUs), the replica opens the trainer's buckets by handle."""
-    from ratchet.workers.weight_sync.device_sync import ipc_sync
+    from ratchet.workers.weight_sync.device_sync import CUDA_IPC
+    from ratchet.workers.weight_sync.transport import relayed_sync
 
-    result, weights, state = on_ray_gpus(tmp_path, tiny_model, copy_data, 0.5, 0.5, lambda r, t: ipc_sync(r, t, [0], ray_get))
+    result, weights, state = on_ray_gpus(tmp_path, tiny_model, copy_data, 0.5, 0.5, lambda r, t: relayed_sync(CUDA_IPC, r, t, ray_get))
     assert result.transport == "cuda_ipc" and result.buckets > 5 and result.window_peak <= 2
     assert all(torch.equal(state[k], v) for k, v in weights.items())
 
@@ -321,11 +326,12 @@ def test_cuda_ipc_sync_between_two_ray_actors_on_one_gpu(tiny_model, copy_data, 
 @needs_cuda
 def test_nccl_sync_between_two_ray_actors_on_two_gpus(tiny_model, copy_data, tmp_path):
     """The real NCCL path: trainer rank on one GPU, replica on another, one broadcast per bucket."""
-    from ratchet.workers.weight_sync.device_sync import nccl_sync
+    from ratchet.workers.weight_sync.device_sync import NCCL
+    from ratchet.workers.weight_sync.transport import relayed_sync
 
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL between trainer and engine needs two GPUs")
-    result, weights, state = on_ray_gpus(tmp_path, tiny_model, copy_data, 1, 1, lambda r, t: nccl_sync(r, t, ray_get))
+    result, weights, state = on_ray_gpus(tmp_path, tiny_model, copy_data, 1, 1, lambda r, t: relayed_sync(NCCL, r, t, ray_get))
     assert result.transport == "nccl" and result.buckets > 5
     assert all(torch.equal(state[k], v) for k, v in weights.items())
 

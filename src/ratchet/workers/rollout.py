@@ -23,12 +23,13 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar, Mapping
+from typing import TYPE_CHECKING, ClassVar, Mapping
 
 import numpy as np
 import ray
 
 from ratchet.algorithms import ADV_ESTIMATORS
+from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.schema import RunConfig
 from ratchet.data.order import data_order_seed
 from ratchet.storage import BatchStore, ObjectStore, RunLayout
@@ -44,6 +45,9 @@ from .batch_seeds import prompt_indices, sampling_seed
 from .rollout_batching import generate_batch
 from .runtime import configure_worker_process
 from .weight_sync import SafetensorsSource, SafetensorsWriter, WeightSource, as_source, check_names, pairs
+
+if TYPE_CHECKING:
+    from .weight_sync.device_sync import EngineGroup
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,7 @@ class RolloutWorker:
         self._pending: tuple[Mapping[str, np.ndarray], int] | None = None
         # A share generated ahead of its request (`prefetch_share`), by its request's arguments.
         self._prefetched: tuple[tuple, RolloutShare] | None = None
+        self.engine_group: EngineGroup | None = None  # its membership of the NCCL transport's engine group
 
     @ray.method(concurrency_group=PROBE_GROUP)
     def policy_version(self) -> int:
@@ -269,32 +274,16 @@ class RolloutWorker:
                 self._load(source, version, record=self.cfg.deterministic)
         return int(source.nbytes)
 
-    # -- weight sync on the GPUs (weight_sync/device_sync.py): the sources these build
-    # pull from the trainer through Ray, the bytes come by IPC handle or broadcast
+    def receive_weights(self, transport: str, rank, sync_id: str, consumer: int) -> int:
+        """`load_weights` of one relayed sync (weight_sync/transport.py): the source that
+        `transport` (catalog/weight_transports.py) builds to pull it from trainer `rank`,
+        this replica being that rank's receiver `consumer`; returns the bytes received."""
+        return self.load_weights(WEIGHT_TRANSPORTS.get(transport).source(self, rank, sync_id, consumer))
 
-    _engine_group = None  # this replica's membership of the engine group (device_sync.EngineGroup)
-
-    def load_weights_ipc(self, rank, sync_id: str, consumer: int) -> int:
-        """`load_weights` from the trainer rank on this GPU, by CUDA IPC handles (receiver
-        `consumer` of that rank); returns the bytes received."""
-        import torch
-
-        from .weight_sync.device_sync import IpcSource
-
-        device_index = torch.cuda.current_device() if torch.cuda.is_available() else None
-        return self.load_weights(IpcSource(rank, sync_id, consumer, device_index=device_index))
-
-    def load_weights_nccl(self, rank0, sync_id: str, consumer: int) -> int:
-        """`load_weights` broadcast by trainer rank 0 into the engine group (this replica:
-        receiver `consumer`, group rank consumer + 1); returns the bytes received."""
-        from .weight_sync.device_sync import NcclSource
-
-        if self._engine_group is None:
-            raise RuntimeError("this rollout replica is in no engine group: the driver forms it first (ensure_engine_group)")
-        return self.load_weights(NcclSource(rank0, sync_id, consumer, self._engine_group))
+    # -- the NCCL transport's engine group (weight_sync/device_sync.py) -------------------
 
     def engine_group_key(self) -> str | None:
-        return self._engine_group.key if self._engine_group is not None else None
+        return self.engine_group.key if self.engine_group is not None else None
 
     def join_engine_group(self, key: str, host: str, port: int, rank: int, world_size: int) -> str:
         """Join the engine group for membership `key` as member `rank` (>= 1); an older one is dropped."""
@@ -302,8 +291,8 @@ class RolloutWorker:
 
         if rank < 1:
             raise ValueError(f"engine group rank 0 is trainer rank 0; a rollout replica joins as 1 or more, not {rank}")
-        self._engine_group = None
-        self._engine_group = join_engine_group(key, host, port, rank, world_size)
+        self.engine_group = None
+        self.engine_group = join_engine_group(key, host, port, rank, world_size)
         return key
 
     # -- deterministic runs: every version served is kept a while, to be served again ------

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import ray
 
+from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
@@ -43,13 +44,14 @@ from .lora import adapter_state, sync_view, write_adapter_folder
 from .policy_update import PolicyTrainer, check_finite_weights
 from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult, WarmupResult
 from .runtime import configure_worker_process, free_port, node_address
-from .weight_sync.protocol import STREAM_TIMEOUT_S, SYNC_GROUP, SYNC_GROUP_THREADS, WINDOW, RelayRegistry, StreamReport
+from .weight_sync.protocol import SYNC_GROUP, SYNC_GROUP_THREADS, RelayRegistry, StreamReport
 from .weight_sync.ray_transport import PublishedSource
 from .weight_sync.relay import BucketRelay
 from .weight_sync.trainer_side import check_finite_shards, gather_and_offer, sync_plan
 
 if TYPE_CHECKING:
     from .checkpointing import StoreRestore
+    from .weight_sync.device_sync import EngineGroup
 
 log = logging.getLogger(__name__)
 # Building a Hugging Face model for an export: one thread of the process at a time (_write_hf).
@@ -75,7 +77,8 @@ class TrainerWorker:
         # (version, its buckets in the object store) after each update, on rank 0, when syncs
         # overlap updates (partial rollouts): a sync need not wait for the update in flight.
         self._published: tuple[int, PublishedSource] | None = None
-        self._relays = RelayRegistry()  # rank 0: the syncs being streamed to rollout replicas
+        self._relays = RelayRegistry()  # a rank with receivers: the syncs it serves
+        self.engine_group: EngineGroup | None = None  # rank 0: its membership of the NCCL transport's engine group
         # The outcome of the latest checkpoint (None: committed or none yet), kept until a
         # later checkpoint replaces it, so a failed upload is always reported.
         self._checkpoint_error: str | None = None
@@ -194,15 +197,16 @@ class TrainerWorker:
         """The latest published (version, its buckets as a weight source), or None."""
         return self._published
 
-    # -- weight sync, streamed bucket by bucket (weight_sync/ray_transport.py) ------------
+    # -- weight sync (weight_sync/transport.py: the driver, and the table of transports) ---
 
-    def stream_weights(self, sync_id: str, consumers: int) -> StreamReport:
-        """Gather the weights bucket by bucket (every rank: the gathers are collectives);
-        rank 0 puts each into the object store for `consumers` rollout replicas, at most
-        a window of buckets ahead of the slowest. Non-finite weights are refused first."""
-        relay = BucketRelay(consumers, window=WINDOW, put=ray.put, timeout_s=STREAM_TIMEOUT_S) if self.rank == 0 else None
-        offer = relay.offer if relay is not None else None
-        return self._sync_frame(sync_id, relay, lambda entries, manifest: gather_and_offer(entries, manifest, offer))
+    def send_weights(self, sync_id: str, transport: str, consumers: int) -> StreamReport:
+        """Gather the weights bucket by bucket (every rank: the gathers are collectives) and
+        send them by `transport` (catalog/weight_transports.py) to the `consumers` rollout
+        replicas this rank serves (0: it only joins the gathers). Non-finite weights are
+        refused before the first bucket leaves."""
+        way = WEIGHT_TRANSPORTS.get(transport)
+        relay = way.open_relay(self, consumers) if consumers > 0 else None
+        return self._sync_frame(sync_id, relay, lambda entries, manifest: way.send(self, entries, manifest, relay))
 
     @ray.method(concurrency_group=SYNC_GROUP)
     def sync_manifest(self, sync_id: str):
@@ -210,8 +214,8 @@ class TrainerWorker:
 
     @ray.method(concurrency_group=SYNC_GROUP)
     def sync_take(self, sync_id: str, consumer: int, index: int):
-        """The ObjectRef of bucket `index` (None past the last); the receiver is done with
-        the ones before it."""
+        """Bucket `index` as the transport hands it (an ObjectRef, an IPC handle, a ready
+        signal; None past the last); the receiver is done with the ones before it."""
         return self._relays.get(sync_id).take(consumer, index)
 
     @ray.method(concurrency_group=SYNC_GROUP)
@@ -224,17 +228,13 @@ class TrainerWorker:
     def sync_abort(self, sync_id: str, reason: str) -> None:
         self._relays.get(sync_id, timeout_s=0).fail(reason)
 
-    # -- weight sync on the GPUs: CUDA IPC (colocated), NCCL broadcast (split) -----------
-    # (weight_sync/device_sync.py; the driver picks by placement: config/sync_transport.py)
-
-    _engine_group = None  # rank 0: its membership of the engine group (device_sync.EngineGroup)
-
-    def _sync_device(self):
+    def sync_device(self):
+        """The device this rank's weights (and so its shared buckets) are on."""
         return next(self.policy.model.parameters()).device
 
     def _sync_frame(self, sync_id: str, relay: BucketRelay | None, send) -> StreamReport:
         """Plan, check finiteness, then `send(entries, manifest)` -> (bytes, failure): the
-        frame every transport shares (object store, CUDA IPC, NCCL)."""
+        frame every transport shares."""
         t0 = time.perf_counter()
         if relay is not None:
             self._relays.open(sync_id, relay)
@@ -258,40 +258,11 @@ class TrainerWorker:
             window_peak=relay.peak_stored if relay is not None else 0,
         )
 
-    def stream_weights_ipc(self, sync_id: str, consumers: int) -> StreamReport:
-        """CUDA IPC: gather the weights bucket by bucket (every rank); a rank serving
-        `consumers` replicas on its GPU packs each bucket flat there and hands them its
-        handle (`sync_take_shared`), at most IPC_WINDOW buckets ahead of the slowest."""
-        from .weight_sync.device_sync import IPC_WINDOW, gather_and_share, share_gathered
-
-        relay = None
-        if consumers > 0:
-            device = self._sync_device()
-            relay = BucketRelay(consumers, window=IPC_WINDOW, put=lambda g: share_gathered(g, device), timeout_s=STREAM_TIMEOUT_S)
-        return self._sync_frame(sync_id, relay, lambda entries, manifest: gather_and_share(entries, manifest, relay))
-
-    @ray.method(concurrency_group=SYNC_GROUP)
-    def sync_take_shared(self, sync_id: str, consumer: int, index: int):
-        """The IPC handle of bucket `index` (None past the last); the receiver is done with
-        the ones before it (its acknowledgement: the rank may free them)."""
-        stored = self._relays.get(sync_id).take(consumer, index)
-        return None if stored is None else stored.wire()
-
-    def broadcast_weights(self, sync_id: str, consumers: int) -> StreamReport:
-        """NCCL: gather the weights bucket by bucket (every rank); rank 0 broadcasts each
-        into the engine group once all `consumers` replicas are ready for it."""
-        from .weight_sync.device_sync import BROADCAST_WINDOW, gather_and_broadcast
-
-        relay, group, device = None, None, None
-        if self.rank == 0:
-            relay = BucketRelay(consumers, window=BROADCAST_WINDOW, put=lambda g: g.index, timeout_s=STREAM_TIMEOUT_S, collective=True)
-            if self._engine_group is not None:
-                group, device = self._engine_group.group, self._engine_group.device
-        return self._sync_frame(sync_id, relay, lambda entries, manifest: gather_and_broadcast(entries, manifest, relay, group, device))
+    # -- the NCCL transport's engine group (weight_sync/device_sync.py) -------------------
 
     def engine_group_key(self) -> str | None:
         """The membership this rank's engine group was made for (None: none)."""
-        return self._engine_group.key if self._engine_group is not None else None
+        return self.engine_group.key if self.engine_group is not None else None
 
     def engine_group_address(self) -> tuple[str, int]:
         """(host, port) for the engine group's TCPStore, which rank 0 hosts on its node."""
@@ -305,8 +276,8 @@ class TrainerWorker:
 
         if self.rank != 0 or rank != 0:
             raise ValueError(f"only trainer rank 0 is member 0 of the engine group (this is rank {self.rank}, asked to be {rank})")
-        self._engine_group = None
-        self._engine_group = join_engine_group(key, host, port, 0, world_size)
+        self.engine_group = None
+        self.engine_group = join_engine_group(key, host, port, 0, world_size)
         return key
 
     def train(

@@ -17,7 +17,9 @@ import ray
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.placement_plan import PlacementPlan, plan_placement
+from ratchet.config.sync_transport import choose_transport
 from ratchet.config.schema import RunConfig
 from ratchet.errors import RewardTimeout, WorkerLost
 from ratchet.storage import ObjectStore, RunLayout
@@ -27,6 +29,8 @@ from ..results import GenerateResult, ScoreResult, WarmupResult
 from ..reward import RewardWorker
 from ..rollout import RolloutWorker
 from ..trainer import TrainerWorker
+from ..weight_sync.ray_transport import published_sync
+from ..weight_sync.transport import relayed_sync
 from . import placement
 from .names import Role, actor_name, find_named, kill_named, run_actor_names
 from .release import release_run_actors
@@ -313,8 +317,8 @@ class RunActors:
     def _bring_to(self, actors: list, held: list[int], expected_version: int, exact: bool) -> None:
         """Load the replicas `actors` (holding `held`) with v`expected_version` (exact) or
         newer; the trainer's weights are gathered once for all that need them."""
-        from ..weight_sync.ray_transport import stream_sync
-
+        # Through the object store whatever the placement: a rebuilt replica's one-off load.
+        object_store = WEIGHT_TRANSPORTS.get("object_store")
         if exact:
             # A deterministic run: the version its schedule names, from the policy log, or
             # from the trainer if it holds that version now.
@@ -322,7 +326,7 @@ class RunActors:
             logged = self.wait([a.serve_logged.remote(expected_version) for a in stale]) if stale else []
             stale = [a for a, ok in zip(stale, logged) if not ok]
             if stale:
-                pushed = stream_sync(self.trainers(expected_version, at_least=True), stale, self.wait).version
+                pushed = relayed_sync(object_store, self.trainers(expected_version, at_least=True), stale, self.wait).version
                 if pushed != expected_version:
                     raise WorkerLost(
                         f"run {self.run_id}: policy v{expected_version} is not in the policy log and the trainer holds v{pushed}"
@@ -332,7 +336,7 @@ class RunActors:
         # fully_async may be newer than this batch asked for (the batch records it).
         stale = [a for a, v in zip(actors, held) if v < expected_version]
         if stale:
-            stream_sync(self.trainers(expected_version, at_least=True), stale, self.wait)
+            relayed_sync(object_store, self.trainers(expected_version, at_least=True), stale, self.wait)
 
     def start_critic(self):
         return self._create(CriticWorker, Role.CRITIC, 0, self.cfg.resources.critic_cpus, self.cfg, self.run_uri)
@@ -411,10 +415,6 @@ class RunActors:
         replica that just generated, from a caller that used them a moment ago (sync mode's
         step): looked up and probed once per step instead of twice. A replica lost since
         fails the load, and the step's retry looks them all up afresh."""
-        from ratchet.config.sync_transport import Transport, choose_transport, ipc_partners
-
-        from ..weight_sync.ray_transport import published_sync, stream_sync
-
         # Every rollout replica, all to one version: the live ones, a lost one recreated
         # (colocated engines woken up); one replica: [rollout-0].
         if targets is None or self.plan.colocated:
@@ -431,16 +431,8 @@ class RunActors:
                 return published_sync(published, targets, self.wait)
         if ranks is None:
             ranks = self.trainers(version, at_least=True)
-        transport = choose_transport(self.plan, self.cfg)
-        if transport is Transport.CUDA_IPC:
-            from ..weight_sync.device_sync import ipc_sync
-
-            return ipc_sync(ranks, targets, ipc_partners(self.plan, self.cfg), self.wait)
-        if transport is Transport.NCCL:
-            from ..weight_sync.device_sync import nccl_sync
-
-            return nccl_sync(ranks, targets, self.wait)
-        return stream_sync(ranks, targets, self.wait)
+        transport = WEIGHT_TRANSPORTS.get(choose_transport(self.plan, self.cfg).value)
+        return relayed_sync(transport, ranks, targets, self.wait, serving=transport.serving(self.plan, self.cfg, len(targets)))
 
     def shutdown(self, *, keep_admission: bool = False) -> list[str]:
         """Kill every actor of the run, whatever world size it had, and wait until their

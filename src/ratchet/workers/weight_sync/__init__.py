@@ -8,11 +8,13 @@ Hugging Face names, moved by what the placement allows (docs/weight_sync.md):
 - trainer_side.py: plan, finiteness check and gather, the same on every rank.
 - protocol.py: what every relayed sync shares: the trainer rank's registry of open syncs,
   a receiver's manifest and leave, the reports; no Ray.
-- ray_transport.py: through Ray's object store (CPU, and between nodes).
+- transport.py: the `WeightTransport` interface and the one driver of a sync through any
+  transport (the table: catalog/weight_transports.py; which one a run takes:
+  src/ratchet/config/sync_transport.py).
+- ray_transport.py: the object store transport (CPU, and between nodes).
 - cuda_ipc.py: CUDA IPC handles when trainer and engine share a GPU.
 - nccl.py: broadcast from trainer rank 0 into a separate engine process group.
-- device_sync.py: the CUDA IPC and NCCL syncs wired through the actors (which one:
-  src/ratchet/config/sync_transport.py).
+- device_sync.py: the CUDA IPC and NCCL transports.
 - colocated_process.py: an HF engine in a process of its own beside a trainer, synced by
   the CUDA IPC code without Ray (the GPU check's sync and hand-over).
 """

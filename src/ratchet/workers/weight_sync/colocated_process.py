@@ -8,8 +8,8 @@ the same code runs in the CPU tests.
 One sync, as the run's actors do it (device_sync.py), with a pipe for Ray's calls:
   this process   sync_plan + check_finite_shards + gather_and_share into a BucketRelay of
                  one receiver (IPC_WINDOW buckets ahead), each bucket flat on the device
-                 and shared by handle (share_gathered); a thread answers the engine's
-                 `sync_manifest` / `sync_take_shared` / `sync_leave` on the relay
+                 and shared by handle (ipc_relay); a thread answers the engine's
+                 `sync_manifest` / `sync_take` / `sync_leave` on the relay
   the engine     IpcSource (manifest, names checked, each handle opened, asking for the
                  next bucket acknowledges the last) into `HFEngine.load_weights`
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .buckets import Manifest, check_names, full_tensor
-from .device_sync import IPC_WINDOW, IpcSource, gather_and_share, share_gathered
+from .device_sync import IpcSource, gather_and_share, ipc_relay
 from .relay import BucketRelay, SyncAborted
 from .trainer_side import check_finite_shards, sync_plan
 
@@ -100,7 +100,7 @@ class ColocatedEngine:
         IPC handles on this process's device."""
         device = next(model.parameters()).device
         sync_id = uuid.uuid4().hex
-        relay = BucketRelay(1, window=IPC_WINDOW, put=lambda g: share_gathered(g, device), timeout_s=self.timeout_s)
+        relay = ipc_relay(1, device, self.timeout_s)
         server = _RelayServer(self._sync, sync_id, relay, self.process)
         server.start()
         t0 = time.perf_counter()
@@ -205,10 +205,9 @@ class _RelayServer(threading.Thread):
         self._check(sync_id)
         return self.relay.manifest()
 
-    def sync_take_shared(self, sync_id: str, consumer: int, index: int):
+    def sync_take(self, sync_id: str, consumer: int, index: int):
         self._check(sync_id)
-        stored = self.relay.take(consumer, index)
-        return None if stored is None else stored.wire()
+        return self.relay.take(consumer, index)
 
     def sync_leave(self, sync_id: str, consumer: int, error: str | None = None) -> None:
         self.relay.leave(consumer)

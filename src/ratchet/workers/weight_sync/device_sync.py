@@ -1,25 +1,27 @@
-"""The device transports wired through the actors: CUDA IPC handles (colocated) and an
-NCCL broadcast (split), each a sync the driver runs like ray_transport.stream_sync, with
-the same manifest-first name check, finiteness check and abort on either side.
+"""The device transports of weight_sync/transport.py: CUDA IPC handles (`CUDA_IPC`,
+trainer and engine colocated on a GPU) and an NCCL broadcast (`NCCL`, split on two GPU
+pools), with the same manifest-first name check, finiteness check and abort on either
+side as the object store's.
 
-CUDA IPC, one sync (`ipc_sync`):
-  every trainer rank  stream_weights_ipc(sync_id, n): all gather each bucket (an
-                      all-gather: every rank then holds it whole); a rank with replicas
-                      on its GPU packs it flat on the GPU and shares it (reduce_tensor)
-  replica k           load_weights_ipc(its rank, sync_id, j): manifest, names checked;
-                      then for each bucket the handle (sync_take_shared), opened, loaded,
-                      and asking for the next one acknowledges it
+CUDA IPC, one sync:
+  every trainer rank  send_weights(sync_id, "cuda_ipc", n): all gather each bucket (an
+                      all-gather: every rank then holds it whole); a rank serving n > 0
+                      replicas on its GPU packs it flat on the GPU and shares it (reduce_tensor)
+  replica k           receive_weights("cuda_ipc", its rank, sync_id, j) -> IpcSource:
+                      manifest, names checked; then for each bucket the handle (sync_take),
+                      opened, loaded, and asking for the next one acknowledges it
   The rank keeps a bucket until every replica it serves has acknowledged it, and gathers
-  at most WINDOW (2) ahead: the extra GPU memory is one or two flat buckets.
+  at most IPC_WINDOW (2) ahead: the extra GPU memory is one or two flat buckets.
 
-NCCL, one sync (`nccl_sync`), in a group of trainer rank 0 and every replica made once per
-run (`ensure_engine_group`: a TCPStore on rank 0's node; made again when any member was
-recreated, which the group key, the members' actor ids, tells):
-  every trainer rank  broadcast_weights(sync_id, n): all gather; rank 0 waits until every
-                      replica is ready for bucket i (it asked for it through Ray), then
-                      broadcasts it flat from its GPU
-  replica k           load_weights_nccl(rank 0, sync_id, k): manifest through Ray, names
-                      checked; for each bucket: ready (sync_take), receive, load
+NCCL, one sync, in a group of trainer rank 0 and every replica made once per run
+(`ensure_engine_group`, the transport's `prepare`: a TCPStore on rank 0's node; made again
+when any member was recreated, which the group key, the members' actor ids, tells):
+  every trainer rank  send_weights(sync_id, "nccl", n on rank 0): all gather; rank 0 waits
+                      until every replica is ready for bucket i (it asked for it through
+                      Ray), then broadcasts it flat from its GPU
+  replica k           receive_weights("nccl", rank 0, sync_id, k) -> NcclSource: manifest
+                      through Ray, names checked; for each bucket: ready (sync_take),
+                      receive, load
   A receiver that refuses or fails aborts the sync through Ray before rank 0 broadcasts
   the next bucket, so no member is left waiting inside a collective.
 
@@ -30,8 +32,6 @@ methods.
 
 from __future__ import annotations
 
-import uuid
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -40,8 +40,9 @@ import torch
 from .buckets import Manifest, TensorSpec, WeightBucket, gather_tensors
 from .cuda_ipc import FlatLayout, flat_layout, flatten_bucket, open_shared, share, unflatten_bucket
 from .nccl import _from_rank0, bucket_layouts, init_engine_group, receive_bucket
-from .protocol import STREAM_TIMEOUT_S, RelayedSource, SyncResult, call
+from .protocol import STREAM_TIMEOUT_S, RelayedSource, call
 from .relay import BucketRelay, SyncAborted
+from .transport import from_rank_zero
 
 # Buckets a rank shares ahead of the slowest replica it serves (IPC): gathering bucket i+1
 # overlaps the replica's load of bucket i.
@@ -91,6 +92,12 @@ class SharedBucket:
 
     def wire(self) -> IpcBucket:
         return IpcBucket(self.index, self.layout, self.handle)
+
+
+def ipc_relay(consumers: int, device: torch.device, timeout_s: float = STREAM_TIMEOUT_S) -> BucketRelay:
+    """A rank's relay of flat buckets shared in place on `device`, at most IPC_WINDOW ahead;
+    a receiver is handed each one's layout and handle."""
+    return BucketRelay(consumers, window=IPC_WINDOW, put=lambda g: share_gathered(g, device), wire=SharedBucket.wire, timeout_s=timeout_s)
 
 
 def share_gathered(bucket: GatheredBucket, device: torch.device) -> SharedBucket:
@@ -176,7 +183,7 @@ class IpcSource(RelayedSource):
         try:
             for index in range(len(self.manifest().buckets) + 1):
                 # Asking for bucket i tells the rank this replica is done with i - 1.
-                wire = call(self.rank, "sync_take_shared", self.sync_id, self.consumer, index, timeout_s=self.timeout_s)
+                wire = call(self.rank, "sync_take", self.sync_id, self.consumer, index, timeout_s=self.timeout_s)
                 if wire is None:
                     finished = True
                     return
@@ -246,54 +253,61 @@ def ensure_engine_group(rank0, targets: list, wait: Callable) -> bool:
     return True
 
 
-def _finish(gathers: list, loads: list, abort_on: list, sync_id: str, wait: Callable):
-    """(reports, received bytes); on a replica's failure every serving rank aborts, and the
-    trainer's own failure, if any, is the one raised (as stream_sync does)."""
-    try:
-        received = wait(loads)
-    except BaseException as load_error:
-        for rank in abort_on:
-            rank.sync_abort.remote(sync_id, f"a rollout replica failed to load: {type(load_error).__name__}: {load_error}")
-        try:
-            wait(gathers)
-        except BaseException as trainer_error:
-            raise trainer_error from load_error
-        raise
-    return wait(gathers), received
+# -- the transports -------------------------------------------------------------------------
 
 
-def ipc_sync(ranks: list, targets: list, partners: list[int], wait: Callable, *, sync_id: str | None = None) -> SyncResult:
-    """Load the trainer's weights into every target by CUDA IPC; replica k is served by
-    trainer rank `partners[k]` (the one on its GPU: sync_transport.ipc_partners)."""
-    if not targets or len(partners) != len(targets):
-        raise ValueError(f"an IPC sync needs one trainer rank per replica: {len(partners)} for {len(targets)}")
-    sync_id = sync_id or uuid.uuid4().hex
-    served = Counter(partners)
-    slot: list[int] = []  # replica k's receiver number on its rank
-    seen: Counter = Counter()
-    for p in partners:
-        slot.append(seen[p])
-        seen[p] += 1
-    gathers = [r.stream_weights_ipc.remote(sync_id, served.get(i, 0)) for i, r in enumerate(ranks)]
-    loads = [t.load_weights_ipc.remote(ranks[partners[k]], sync_id, slot[k]) for k, t in enumerate(targets)]
-    reports, received = _finish(gathers, loads, [ranks[i] for i in served], sync_id, wait)
-    return SyncResult(
-        version=reports[0].version, bytes=int(sum(received)), buckets=reports[0].buckets, replicas=len(targets), transport="cuda_ipc",
-        window_peak=max(r.window_peak for r in reports),
-    )  # fmt: skip
+class CudaIpcTransport:
+    """Each replica served by the trainer rank on its GPU, by IPC handles of flat buckets."""
+
+    name = "cuda_ipc"
+
+    def serving(self, plan, cfg, replicas: int) -> list[int]:
+        from ratchet.config.sync_transport import ipc_partners
+
+        partners = ipc_partners(plan, cfg)
+        if partners is None or len(partners) != replicas:
+            raise ValueError(f"a CUDA IPC sync needs a trainer rank on the GPU of each of the {replicas} rollout replicas")
+        return partners
+
+    def prepare(self, ranks: list, targets: list, wait: Callable) -> None:
+        pass  # a handle needs nothing made between the actors
+
+    def open_relay(self, sender, consumers: int) -> BucketRelay:
+        return ipc_relay(consumers, sender.sync_device())
+
+    def send(self, sender, entries: list, manifest: Manifest, relay: BucketRelay | None) -> tuple[int, Exception | None]:
+        return gather_and_share(entries, manifest, relay)
+
+    def source(self, receiver, rank, sync_id: str, consumer: int) -> IpcSource:
+        device_index = torch.cuda.current_device() if torch.cuda.is_available() else None
+        return IpcSource(rank, sync_id, consumer, device_index=device_index)
 
 
-def nccl_sync(ranks: list, targets: list, wait: Callable, *, sync_id: str | None = None) -> SyncResult:
-    """Load the trainer's weights into every target by broadcast in the engine group (made
-    first if its membership changed)."""
-    if not targets:
-        raise ValueError("a weight sync needs at least one rollout replica")
-    sync_id = sync_id or uuid.uuid4().hex
-    ensure_engine_group(ranks[0], targets, wait)
-    gathers = [r.broadcast_weights.remote(sync_id, len(targets)) for r in ranks]
-    loads = [t.load_weights_nccl.remote(ranks[0], sync_id, k) for k, t in enumerate(targets)]
-    reports, received = _finish(gathers, loads, [ranks[0]], sync_id, wait)
-    return SyncResult(
-        version=reports[0].version, bytes=int(sum(received)), buckets=reports[0].buckets, replicas=len(targets), transport="nccl",
-        window_peak=reports[0].window_peak,
-    )  # fmt: skip
+class NcclTransport:
+    """One broadcast per bucket from trainer rank 0 into the engine group (made first)."""
+
+    name = "nccl"
+
+    def serving(self, plan, cfg, replicas: int) -> list[int]:
+        return from_rank_zero(replicas)
+
+    def prepare(self, ranks: list, targets: list, wait: Callable) -> None:
+        ensure_engine_group(ranks[0], targets, wait)
+
+    def open_relay(self, sender, consumers: int) -> BucketRelay:
+        return BucketRelay(consumers, window=BROADCAST_WINDOW, put=lambda g: g.index, timeout_s=STREAM_TIMEOUT_S, collective=True)
+
+    def send(self, sender, entries: list, manifest: Manifest, relay: BucketRelay | None) -> tuple[int, Exception | None]:
+        group = sender.engine_group
+        if relay is None or group is None:  # a rank that only gathers, or rank 0 outside the group (it fails the relay)
+            return gather_and_broadcast(entries, manifest, relay, None, local_device())
+        return gather_and_broadcast(entries, manifest, relay, group.group, group.device)
+
+    def source(self, receiver, rank, sync_id: str, consumer: int) -> NcclSource:
+        if receiver.engine_group is None:
+            raise RuntimeError("this rollout replica is in no engine group: the driver forms it first (ensure_engine_group)")
+        return NcclSource(rank, sync_id, consumer, receiver.engine_group)
+
+
+CUDA_IPC = CudaIpcTransport()
+NCCL = NcclTransport()

@@ -1,6 +1,6 @@
 """The protocol of a relayed weight sync, whatever carries the bytes (Ray's object store,
 CUDA IPC handles, an NCCL broadcast): a trainer rank keeps each open sync's relay in a
-registry and answers `sync_manifest` / `sync_take*` / `sync_leave` / `sync_abort`; a
+registry and answers `sync_manifest` / `sync_take` / `sync_leave` / `sync_abort`; a
 receiver asks for the manifest once and tells the rank once that it is done or failed.
 No Ray here: `call` goes through a Ray actor handle or any stand-in whose `.remote`
 returns a Future, so the device transports run without Ray too (the colocated engine
@@ -51,7 +51,7 @@ class SyncResult:
     bytes: int  # wire bytes loaded, summed over replicas
     buckets: int
     replicas: int
-    transport: str  # "stream" (gathered now), "published" (put after the last update); device_sync.py: "cuda_ipc", "nccl"
+    transport: str  # the transport's catalog name (catalog/weight_transports.py), or "published" (put after the last update)
     window_peak: int = 0  # stream: the most buckets rank 0 held for the replicas at once
 
 

@@ -1,30 +1,32 @@
-"""Weight sync through Ray's object store: trainer rank 0 puts each gathered bucket into
-the store once, and every rollout replica pulls it, loads it and lets it go before it
-asks for the next one (relay.py keeps the window). Between nodes and on CPU this is the
-transport; the bytes never pass through the driver (the activity process).
+"""Weight sync through Ray's object store (`OBJECT_STORE`, a transport of
+weight_sync/transport.py): trainer rank 0 puts each gathered bucket into the store once,
+and every rollout replica pulls it, loads it and lets it go before it asks for the next
+one (relay.py keeps the window). Between nodes and on CPU this is the transport; the bytes
+never pass through the driver (the activity process).
 
-One sync, as calls:
-  driver:   every trainer rank `stream_weights(sync_id, n)` (a collective: all gather)
-            every replica k `load_weights(StreamSource(rank0, sync_id, k))`
-  replica:  rank0.sync_manifest(sync_id) -> Manifest (names checked before loading)
-            rank0.sync_take(sync_id, k, i) -> ObjectRef of bucket i, ray.get, load, drop
+One sync, as calls (the driver: transport.relayed_sync):
+  trainer ranks  send_weights(sync_id, "object_store", n on rank 0, 0 on the others):
+                 every rank gathers, rank 0 puts each bucket into the store
+  replica k      receive_weights("object_store", rank0, sync_id, k) -> a StreamSource:
+                 rank0.sync_manifest(sync_id) -> Manifest (names checked before loading)
+                 rank0.sync_take(sync_id, k, i) -> ObjectRef of bucket i, ray.get, load, drop
 Rank 0 answers `sync_*` from a concurrency group of its own while its main thread
 gathers. fully_async with partial rollouts syncs from `PublishedSource` instead: the
 buckets rank 0 put after its last update, read without queueing behind the next one.
-The relay protocol itself (registry, reports, a receiver's manifest and leave) is
-protocol.py's, shared with the device transports.
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import Callable, Iterator
 
 import ray
 
 from .buckets import Manifest, WeightBucket
-from .protocol import STREAM_TIMEOUT_S, RelayedSource, SyncResult
+from .protocol import STREAM_TIMEOUT_S, WINDOW, RelayedSource, SyncResult
+from .relay import BucketRelay
 from .sources import WeightSource
+from .trainer_side import gather_and_offer
+from .transport import from_rank_zero
 
 
 class StreamSource(RelayedSource):
@@ -70,35 +72,29 @@ class PublishedSource(WeightSource):
             yield ray.get(ref, timeout=STREAM_TIMEOUT_S)
 
 
-def stream_sync(ranks: list, targets: list, wait: Callable, *, sync_id: str | None = None) -> SyncResult:
-    """Gather the trainer's weights once and load them into every target replica, pipelined
-    bucket by bucket. `wait`: how to wait on ObjectRefs (the activity's heartbeating one)."""
-    if not targets:
-        raise ValueError("a weight sync needs at least one rollout replica")
-    sync_id = sync_id or uuid.uuid4().hex
-    rank0 = ranks[0]
-    gathers = [r.stream_weights.remote(sync_id, len(targets)) for r in ranks]
-    loads = [t.load_weights.remote(StreamSource(rank0, sync_id, k), None) for k, t in enumerate(targets)]
-    try:
-        received = wait(loads)
-    except BaseException as load_error:
-        # The trainer's own failure (non-finite weights, a lost rank) is the cause to
-        # report; otherwise the replica's. Either way the other side stops waiting.
-        rank0.sync_abort.remote(sync_id, f"a rollout replica failed to load: {type(load_error).__name__}: {load_error}")
-        try:
-            wait(gathers)
-        except BaseException as trainer_error:
-            raise trainer_error from load_error
-        raise
-    reports = wait(gathers)
-    return SyncResult(
-        version=reports[0].version,
-        bytes=int(sum(received)),
-        buckets=reports[0].buckets,
-        replicas=len(targets),
-        transport="stream",
-        window_peak=reports[0].window_peak,
-    )
+class ObjectStoreTransport:
+    """Buckets through Ray's object store, all from trainer rank 0 (which holds each
+    gathered bucket whole), at most a window ahead of the slowest replica."""
+
+    name = "object_store"
+
+    def serving(self, plan, cfg, replicas: int) -> list[int]:
+        return from_rank_zero(replicas)
+
+    def prepare(self, ranks: list, targets: list, wait: Callable) -> None:
+        pass  # the object store is there already
+
+    def open_relay(self, sender, consumers: int) -> BucketRelay:
+        return BucketRelay(consumers, window=WINDOW, put=ray.put, timeout_s=STREAM_TIMEOUT_S)
+
+    def send(self, sender, entries: list, manifest: Manifest, relay: BucketRelay | None) -> tuple[int, Exception | None]:
+        return gather_and_offer(entries, manifest, relay.offer if relay is not None else None)
+
+    def source(self, receiver, rank, sync_id: str, consumer: int) -> StreamSource:
+        return StreamSource(rank, sync_id, consumer)
+
+
+OBJECT_STORE = ObjectStoreTransport()
 
 
 def published_sync(published: tuple[int, PublishedSource], targets: list, wait: Callable) -> SyncResult:

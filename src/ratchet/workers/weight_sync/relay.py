@@ -6,7 +6,7 @@ or later (asking for i means done with i - 1 and let go of it), so at most `wind
 buckets wait here plus one in each receiver's hands: peak extra memory is a few buckets
 whatever the model's size, and the trainer's gather runs ahead of the slowest receiver by
 at most `window` buckets. Pure threading; what a stored bucket is (an ObjectRef on Ray)
-is the caller's `put`.
+is the caller's `put`, and what a receiver is handed for it, its `wire`.
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ class BucketRelay:
         *,
         window: int = 2,
         put: Callable[[WeightBucket], object] = lambda b: b,
+        wire: Callable[[object], object] = lambda stored: stored,
         timeout_s: float = 600.0,
         collective: bool = False,
     ):
         if consumers < 1 or window < 1:
             raise ValueError(f"a relay needs at least one receiver and a window of one (got {consumers}, {window})")
-        self.consumers, self.window, self.put, self.timeout_s = consumers, window, put, timeout_s
+        self.consumers, self.window, self.put, self.wire, self.timeout_s = consumers, window, put, wire, timeout_s
         self._cv = threading.Condition()
         self._manifest: Manifest | None = None
         self._stored: dict[int, object] = {}  # bucket index -> stored bucket, until every receiver is past it
@@ -91,8 +92,8 @@ class BucketRelay:
             return self._manifest
 
     def take(self, consumer: int, index: int):
-        """Bucket `index` as stored (None past the last one), for receiver `consumer`, who
-        is done with the buckets before it."""
+        """Bucket `index` as a receiver is handed it (`wire` of the stored one; None past
+        the last one), for receiver `consumer`, who is done with the buckets before it."""
         with self._cv:
             self._check_consumer(consumer)
             self._asked[consumer] = max(self._asked[consumer], index)
@@ -108,7 +109,7 @@ class BucketRelay:
                 self._drop_passed()
                 self._cv.notify_all()
                 return None
-            return self._stored[index]
+            return self.wire(self._stored[index])
 
     def leave(self, consumer: int) -> None:
         """Receiver `consumer` stops (done or failed): the trainer no longer waits for it."""
