@@ -66,7 +66,7 @@ def pause_at_step(handle, at_least: int) -> int:
 
 
 def export_weights(ray, actors, key: str) -> dict:
-    ray.get([a.export.remote(key) for a in actors.trainer_ranks()])
+    ray.get([a.export.remote(key) for a in actors.trainer.ranks()])
     return load_file(str(Path(actors.run_uri) / key / "model.safetensors"))
 
 
@@ -94,11 +94,11 @@ def live_run(platform, ray_driver):
     cfg = RunConfig.model_validate(ObjectStore(run_uri).get_json("config.json"))
     actors = RunActors(handle.run_id, run_uri, cfg)
     before = export_weights(ray_driver, actors, "test/before-kill")
-    lost = actors.trainer_ranks()[0]
+    lost = actors.trainer.ranks()[0]
     ray_driver.kill(lost, no_restart=True)
     # Rebuilt as the next step's activity would rebuild it: the last checkpoint at or
     # before v`killed_at` plus a replay of the logged updates after it.
-    rebuilt = actors.trainers(killed_at)
+    rebuilt = actors.trainer.at_version(killed_at)
     assert rebuilt[0]._actor_id != lost._actor_id
     after = export_weights(ray_driver, actors, "test/rebuilt")
     handle.resume()

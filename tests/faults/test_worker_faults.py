@@ -275,8 +275,8 @@ def test_retried_start_trainers_reuses_the_process_group(platform, ray_driver, t
     cfg = load_config(RECIPE_PATH, platform.overrides(*TINY, "trainer.world_size=2"))
     actors = RunActors("pg-retry", str(tmp_path / "pg-retry"), cfg)
     try:
-        count = actors.start_trainers(str(platform.assets.model))
-        assert actors.start_trainers(str(platform.assets.model)) == count > 0
+        count = actors.trainer.start(str(platform.assets.model))
+        assert actors.trainer.start(str(platform.assets.model)) == count > 0
         ranks = [actors.find(Role.TRAINER, r) for r in range(2)]
         infos = ray_driver.get([a.setup_info.remote() for a in ranks])
         assert [i.process_group_inits for i in infos] == [1, 1]
@@ -308,14 +308,14 @@ def test_two_activities_that_find_the_trainer_gone_rebuild_it_once(platform, ray
 
     monkeypatch.setattr(recovery, "restore_trainers", counted_restore)
     try:
-        actors.start_trainers(str(platform.assets.model))
+        actors.trainer.start(str(platform.assets.model))
         kill_named([actors.name(Role.TRAINER)])
         start = threading.Barrier(2)
         found: list = [None, None]
 
         def activity(i: int) -> None:
             start.wait()
-            found[i] = actors.trainers(0, at_least=(i == 1))[0]
+            found[i] = actors.trainer.at_version(0, at_least=(i == 1))[0]
 
         threads = [threading.Thread(target=activity, args=(i,)) for i in range(2)]
         for th in threads:

@@ -274,7 +274,7 @@ def test_two_ranks_without_a_shared_disk_checkpoint_and_restore_from_the_store(p
         # Both nodes die: their folders and the ranks are gone.
         for node in nodes:
             shutil.rmtree(node)
-        actors.kill_trainers()
+        actors.trainer.kill()
 
         with caplog.at_level(logging.WARNING, logger="ratchet.storage.checkpoint_store"):
             ranks = restore_trainers(actors, 2)

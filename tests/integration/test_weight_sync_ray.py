@@ -42,10 +42,10 @@ def run(platform, tmp_path_factory):
     actors = RunActors("ws-ray", str(tmp_path_factory.mktemp("ws") / "ws-ray"), cfg)
     try:
         model = str(platform.assets.model)
-        actors.start_trainers(model)
-        ranks = actors.trainer_ranks()
+        actors.trainer.start(model)
+        ranks = actors.trainer.ranks()
         ray.get([r.__ray_call__.remote(perturb, 7) for r in ranks])
-        rollouts = [actors.start_rollout(model), actors._create(RolloutWorker, Role.ROLLOUT, 1, 0.25, cfg, model, actors.run_uri)]
+        rollouts = [actors.start_rollout(model), actors.create(RolloutWorker, Role.ROLLOUT, 1, 0.25, cfg, model, actors.run_uri)]
         yield actors, ranks, rollouts
     finally:
         release_run_actors("ws-ray")

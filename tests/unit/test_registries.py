@@ -343,3 +343,20 @@ def test_config_imports_nothing_from_workers_or_workflows():
             )
             found += [f"{path.name}: {n}" for n in names if n.startswith(("ratchet.workers", "ratchet.workflows"))]
     assert found == [], found
+
+
+def test_the_activities_send_no_ray_calls_of_their_own():
+    """Activities call the worker layer's typed operations (RunActors and its groups); no
+    `.remote(` call, ObjectRef or actor handle is theirs. The supervised stage's chunk is the
+    one Ray task still launched from its activity (activities/supervised.py)."""
+    import ast
+
+    activities = Path(__file__).resolve().parents[2] / "src" / "ratchet" / "activities"
+    found = []
+    for path in sorted(activities.glob("*.py")):
+        if path.name == "supervised.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("remote", "options"):
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == [], f"Ray calls in activities (move them into src/ratchet/workers/actors/): {found}"

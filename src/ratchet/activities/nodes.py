@@ -8,7 +8,7 @@ from temporalio import activity
 from ratchet import types as t
 from ratchet.workers.actors.evacuation import evacuate
 
-from .training import actors_for, settle_last_checkpoint
+from .training import actors_for
 from .translate import temporal_errors
 
 
@@ -18,9 +18,8 @@ def evacuate_nodes(inp: t.EvacuateInput) -> t.EvacuateOutput:
     """The checkpoint just taken is committed first (its writers may be on the node), then
     the run's actors there are released; the next step rebuilds them from that checkpoint."""
     actors = actors_for(inp.run)
-    ranks = actors.trainer_ranks()
-    if all(a is not None for a in ranks):
-        settle_last_checkpoint(inp.run.run_id, ranks)
+    if actors.trainer.all_live():
+        actors.trainer.settle_last_checkpoint()
     return t.EvacuateOutput(released=evacuate(actors, inp.node_ids))
 
 

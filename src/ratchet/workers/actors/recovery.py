@@ -33,9 +33,9 @@ def restore_trainers(actors: RunActors, expected_version: int) -> list:
     (`TrainerWorker.restore_from_store`): nothing is downloaded here, and no rank reads a
     path on this process's host."""
     t0 = time.perf_counter()
-    actors.kill_trainers()  # a survivor of a broken process group cannot rejoin it
-    actors.start_trainers(actors.initial_policy())
-    ranks = actors.trainer_ranks()
+    actors.trainer.kill()  # a survivor of a broken process group cannot rejoin it
+    actors.trainer.start(actors.initial_policy())
+    ranks = actors.trainer.ranks()
     store = ObjectStore(actors.run_uri)
     checkpoints = CheckpointStore(store)
     version, source = 0, "the initial policy"
@@ -89,7 +89,7 @@ def restore_critic(actors: RunActors, expected_version: int):
     updates after it. Returns the actor."""
     t0 = time.perf_counter()
     kill_named([actors.name(Role.CRITIC)])
-    critic = actors.start_critic()
+    critic = actors.critic.start()
     store = ObjectStore(actors.run_uri)
     checkpoints = CheckpointStore(store)
     version, source = 0, "the initial critic"

@@ -9,6 +9,7 @@ Failures are domain errors (ratchet.errors); the caller decides how to report th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -24,17 +25,16 @@ from ratchet.config.schema import RunConfig
 from ratchet.errors import RewardTimeout, WorkerLost
 from ratchet.storage import ObjectStore, RunLayout
 
-from ..critic import CriticWorker
-from ..results import GenerateResult, ScoreResult, WarmupResult
+from ..results import EvalBatchResult, GenerateResult, ScoreResult, TrainResult, WarmupResult
 from ..reward import RewardWorker
 from ..rollout import RolloutWorker
-from ..trainer import TrainerWorker
 from ..weight_sync.ray_transport import published_sync
 from ..weight_sync.transport import relayed_sync
 from . import placement
-from .names import Role, actor_name, find_named, kill_named, run_actor_names
+from .names import Role, actor_name, find_named, kill_named
 from .release import release_run_actors
-from .restore_lease import restore_lease
+from .critic_group import CriticGroup
+from .trainer_group import CheckpointTaken, TrainerGroup
 from .waiting import PlainWaiter, Waiter, WaitTimeout
 
 if TYPE_CHECKING:
@@ -42,8 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long a trainer rank that survived an earlier start may take to answer.
-PROBE_TIMEOUT_S = 10.0
 # Actors (by id) this process saw constructed: a step's path skips asking them again.
 _CONSTRUCTED: set[str] = set()
 
@@ -70,7 +68,18 @@ class RunActors:
         """Which pool and bundle each actor takes (no pools: the whole cluster, as before)."""
         return plan_placement(self.cfg)
 
-    def _create(self, cls, role: str, rank: int, num_cpus: float, *args, concurrency: int = 1):
+    @cached_property
+    def trainer(self) -> TrainerGroup:
+        """The trainer ranks (trainer_group.py)."""
+        return TrainerGroup(self)
+
+    @cached_property
+    def critic(self) -> CriticGroup:
+        """The critic of a GAE run (critic_group.py)."""
+        return CriticGroup(self)
+
+    def create(self, cls, role: str, rank: int, num_cpus: float, *args, concurrency: int = 1):
+        """Actor `role`-`rank` of class `cls`, placed by the run's plan (placement.py)."""
         where = self.plan.slot(role, rank)
         slot = (where, next(p for p in self.plan.pools if p.name == where.pool)) if where is not None else None
         return placement.create_actor(
@@ -86,128 +95,65 @@ class RunActors:
         """The weights RL starts from: the warmed-up model if the run has a warm-up."""
         return ObjectStore(self.run_uri).uri(RunLayout.WARMUP_MODEL) if self.cfg.warmup.steps > 0 else self.cfg.model.path
 
-    # -- trainer -------------------------------------------------------------------------
-
-    def _create_trainer(self, rank: int, policy_path: str):
-        world = self.cfg.trainer.world_size
-        return self._create(
-            TrainerWorker, Role.TRAINER, rank, self.cfg.resources.trainer_cpus, self.cfg, policy_path, self.run_uri, rank, world,
-        )  # fmt: skip
+    # -- the run's operations (the activities' calls) -------------------------------------
 
     def warm_up(self, base_model_path: str) -> WarmupResult:
-        """The supervised warm-up, run by trainer rank 0 before it sets up: the process that
-        trains next does it, so it costs no process of its own. Rank 0 is made with the
-        warm-up model as its policy (`initial_policy`); `start_trainers` sets it up."""
-        rank0 = self._create_trainer(0, self.initial_policy())
-        return self.wait(rank0.warm_up.remote(base_model_path))
+        """The supervised warm-up (trainer rank 0). The reward worker needs only the
+        tokenizer, which the warm-up leaves as it is: its process starts (and imports torch,
+        seconds) meanwhile; `start` finds both by name."""
+        self.start_reward(base_model_path)
+        return self.trainer.warm_up(base_model_path)
 
-    def start_trainers(self, policy_path: str) -> int:
-        """Create and set up every trainer rank; returns the parameter count. Idempotent: a
-        retried start reuses ranks that are all set up, and ranks never set up for this
-        policy (rank 0 after the warm-up) are set up as they are; ranks left half set up (a
-        process group that may be broken) are killed and all ranks made afresh, since a
-        surviving rank cannot join a new group."""
-        world = self.cfg.trainer.world_size
-        survivors = [self.find(Role.TRAINER, r) for r in range(world)]
-        if any(a is not None for a in survivors):
-            count = self._set_up_count(survivors)
-            if count is not None:
-                log.info("run %s: trainer ranks already set up; reusing them", self.run_id)
-                return count
-            if not self._never_set_up(survivors, policy_path):
-                log.warning("run %s: trainer ranks half set up; recreating all %d", self.run_id, world)
-                self.kill_trainers()
-                survivors = [None] * world
-        ranks = [a if a is not None else self._create_trainer(r, policy_path) for r, a in enumerate(survivors)]
-        # Rank 0's node address and a port free there: the ranks may be on several nodes.
-        host, port = self.wait(ranks[0].rendezvous_address.remote())
-        counts = self.wait([a.setup.remote(port, host) for a in ranks])
-        return counts[0]
+    def start(self, policy_path: str) -> int:
+        """Every actor of the run serving `policy_path`; returns the policy's parameter
+        count. Every actor's process starts and imports torch (seconds each) at once: the
+        rollout replicas, the reward worker and the critic are created first and load while
+        the trainer ranks set up."""
+        ready = [
+            *(a.policy_version.remote() for a in self.start_rollouts(policy_path)),
+            self.start_reward(policy_path).__ray_ready__.remote(),
+        ]
+        if self.cfg.uses_critic:
+            ready.append(self.critic.start().__ray_ready__.remote())
+        n_params = self.trainer.start(policy_path)
+        self.wait(ready)
+        return n_params
 
-    def _set_up_count(self, ranks: list) -> int | None:
-        """The parameter count if every rank exists and is set up (in one group), else None."""
-        if any(a is None for a in ranks):
-            return None
-        try:
-            infos = self.wait([a.setup_info.remote() for a in ranks], timeout_s=PROBE_TIMEOUT_S)
-        except (WaitTimeout, ray.exceptions.RayError):
-            return None  # busy (stuck in a collective) or dead
-        if all(i.ready and i.world_size == len(ranks) for i in infos):
-            return infos[0].num_parameters
-        return None
+    def restart_at(self, version: int) -> None:
+        """A resume from a checkpoint: whatever actors the run still has released (its
+        admission kept: no queued run takes their CPUs), the trainer (and critic) rebuilt at
+        `version` from the checkpoint, the other actors made afresh."""
+        self.shutdown(keep_admission=True)
+        self.trainer.at_version(version)
+        source = self.initial_policy()
+        self.wait([*(a.policy_version.remote() for a in self.start_rollouts(source)), self.start_reward(source).__ray_ready__.remote()])
+        if self.cfg.uses_critic:
+            self.critic.at_version(version)
 
-    def _never_set_up(self, ranks: list, policy_path: str) -> bool:
-        """Whether every live rank among `ranks` is fresh: made for `policy_path`, never set
-        up, in no process group (rank 0 after the warm-up); such ranks can still join one."""
-        live = [a for a in ranks if a is not None]
-        try:
-            infos = self.wait([a.setup_info.remote() for a in live], timeout_s=PROBE_TIMEOUT_S)
-        except (WaitTimeout, ray.exceptions.RayError):
-            return False
-        world = self.cfg.trainer.world_size
-        return all(not i.ready and i.process_group_inits == 0 and i.world_size == world and i.policy_uri == policy_path for i in infos)
+    def train(
+        self, batch_index: int, version: int, kl_coef: float, parts: int, *, live: dict | None, safe_lambda: float | None, retrying: bool
+    ) -> TrainResult:  # fmt: skip
+        """The policy update on stored batch `batch_index`; with a critic (GAE), its values
+        first and its own update after (its metrics join the policy's). `retrying`: a
+        retried attempt, whose first try may have made the update already."""
+        critic = self.critic.at_version(version, retrying_update=retrying) if self.cfg.uses_critic else None
+        if critic is not None:
+            self.wait(critic.compute_values.remote(batch_index, parts))
+        trained = self.trainer.update(batch_index, version, kl_coef, parts, live=live, safe_lambda=safe_lambda, retrying=retrying)
+        if critic is None:
+            return trained
+        return dataclasses.replace(trained, metrics={**trained.metrics, **self.wait(critic.update.remote(batch_index, parts))})
 
-    def trainer_ranks(self) -> list:
-        """The live trainer ranks (None for a missing one), without any version check."""
-        return [self.find(Role.TRAINER, r) for r in range(self.cfg.trainer.world_size)]
+    def evaluate(self, step: int, size: int, version: int) -> tuple[EvalBatchResult, ScoreResult]:
+        """Greedy answers of rollout replica 0 (at `version` or newer) on the first `size`
+        eval prompts, stored under `step`, and their scores."""
+        generated = self.wait(self.rollout(version).generate_eval.remote(step, size))
+        return generated, self.score(step, RunLayout.EVALS)  # eval batches are stored by training step
 
-    def probe_trainers(self) -> tuple[list, object]:
-        """(the live trainer ranks, the ObjectRef of rank 0's policy version; None when a
-        rank is missing), for `trainers(..., probe=)`: sent ahead, the probe's round trip
-        overlaps whatever the caller does meanwhile (the step's generation)."""
-        ranks = self.trainer_ranks()
-        return ranks, (ranks[0].policy_version.remote() if all(a is not None for a in ranks) else None)
-
-    def trainers(
-        self, expected_version: int, *, retrying_update: bool = False, at_least: bool = False, probe: tuple[list, object] | None = None
-    ) -> list:  # fmt: skip
-        """The trainer ranks, holding `expected_version` (or, for a retried train attempt
-        whose first try already updated, the version after it; with `at_least`, any newer
-        one). Ranks that were lost or hold another version are rebuilt from the last
-        checkpoint and the logged updates after it (recovery.py). `probe`: what
-        `probe_trainers` sent earlier, used instead of asking again."""
-        from .recovery import restore_trainers
-
-        ranks, held = probe if probe is not None else (self.trainer_ranks(), None)
-        if self._trainers_hold(ranks, expected_version, retrying_update, at_least, log_mismatch=True, held=held):
-            return ranks
-        with restore_lease(self.run_id, Role.TRAINER, self.waiter):
-            # Another activity may have rebuilt them while this one waited for the lease.
-            ranks = self.trainer_ranks()
-            if self._trainers_hold(ranks, expected_version, retrying_update, at_least):
-                return ranks
-            return restore_trainers(self, expected_version)
-
-    def _trainers_hold(
-        self, ranks: list, expected_version: int, retrying_update: bool, at_least: bool, *, log_mismatch: bool = False, held=None
-    ) -> bool:  # fmt: skip
-        if any(a is None for a in ranks):
-            if log_mismatch:
-                log.warning("run %s: a trainer rank is gone; restoring it", self.run_id)
-            return False
-        return self._holds(ranks[0], "the trainer", expected_version, retrying_update, at_least, log_mismatch, held)
-
-    def _holds(
-        self, actor, what: str, expected_version: int, retrying_update: bool, at_least: bool, log_mismatch: bool, held=None
-    ) -> bool:  # fmt: skip
-        """`actor` (trainer rank 0 or the critic) answers with the version the caller asked
-        for (`held`: the ObjectRef of an answer already asked for)."""
-        try:
-            held = self.wait(held if held is not None else actor.policy_version.remote())
-        except ray.exceptions.RayError:
-            held = None  # died just now, or broken: rebuilt
-        if held == expected_version or (retrying_update and held == expected_version + 1):
-            return True
-        if at_least and held is not None and held > expected_version:
-            return True
-        if log_mismatch:
-            log.warning("run %s: %s holds v%s, the workflow expects v%d; restoring", self.run_id, what, held, expected_version)
-        return False
-
-    def kill_trainers(self) -> None:
-        """Every trainer rank of the run, whatever world size it was started with."""
-        prefix = self.name(Role.TRAINER, 0)[:-1]
-        kill_named([n for n in run_actor_names().get(self.run_id, []) if n.startswith(prefix)])
+    def checkpoint(self, step: int, run_state: dict, version: int) -> CheckpointTaken:
+        """Checkpoint `step` of policy v`version` (trainer_group.py), the critic's state in it."""
+        critic_state = self.critic.state(version) if self.cfg.uses_critic else None
+        return self.trainer.checkpoint(step, run_state, version, critic_state)
 
     # -- rollout and reward --------------------------------------------------------------
 
@@ -215,7 +161,7 @@ class RunActors:
         """Rollout replica `rank` (rollout-<rank>; one replica: rollout-0, as always)."""
         # Partial rollouts: a weight sync is received while a generation runs (a second thread).
         concurrency = 2 if self.cfg.uses_partial_rollouts else 1
-        return self._create(
+        return self.create(
             RolloutWorker, Role.ROLLOUT, rank, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri,
             concurrency=concurrency,
         )  # fmt: skip
@@ -225,7 +171,7 @@ class RunActors:
         return [self.start_rollout(policy_path, rank) for rank in range(self.cfg.rollout.replicas)]
 
     def start_reward(self, policy_path: str):
-        return self._create(RewardWorker, Role.REWARD, 0, self.cfg.resources.reward_cpus, self.cfg, policy_path, self.run_uri)
+        return self.create(RewardWorker, Role.REWARD, 0, self.cfg.resources.reward_cpus, self.cfg, policy_path, self.run_uri)
 
     def rollout(self, expected_version: int, *, exact: bool = False):
         """Rollout replica 0 at `expected_version` or newer (a sync may land before the
@@ -326,7 +272,7 @@ class RunActors:
             logged = self.wait([a.serve_logged.remote(expected_version) for a in stale]) if stale else []
             stale = [a for a, ok in zip(stale, logged) if not ok]
             if stale:
-                pushed = relayed_sync(object_store, self.trainers(expected_version, at_least=True), stale, self.wait).version
+                pushed = relayed_sync(object_store, self.trainer.at_version(expected_version, at_least=True), stale, self.wait).version
                 if pushed != expected_version:
                     raise WorkerLost(
                         f"run {self.run_id}: policy v{expected_version} is not in the policy log and the trainer holds v{pushed}"
@@ -336,32 +282,7 @@ class RunActors:
         # fully_async may be newer than this batch asked for (the batch records it).
         stale = [a for a, v in zip(actors, held) if v < expected_version]
         if stale:
-            relayed_sync(object_store, self.trainers(expected_version, at_least=True), stale, self.wait)
-
-    def start_critic(self):
-        return self._create(CriticWorker, Role.CRITIC, 0, self.cfg.resources.critic_cpus, self.cfg, self.run_uri)
-
-    def critic(self, expected_version: int, *, retrying_update: bool = False):
-        """The critic, updated as often as policy v`expected_version` was (or once more, for
-        a retried train attempt whose first try got that far); lost or out of step, it is
-        rebuilt from the last checkpoint and the logged updates after it (recovery.py)."""
-        from .recovery import restore_critic
-
-        actor = self.find(Role.CRITIC)
-        if self._critic_holds(actor, expected_version, retrying_update, log_mismatch=True):
-            return actor
-        with restore_lease(self.run_id, Role.CRITIC, self.waiter):
-            actor = self.find(Role.CRITIC)
-            if self._critic_holds(actor, expected_version, retrying_update):
-                return actor
-            return restore_critic(self, expected_version)
-
-    def _critic_holds(self, actor, expected_version: int, retrying_update: bool, *, log_mismatch: bool = False) -> bool:
-        if actor is None:
-            if log_mismatch:
-                log.warning("run %s: the critic is gone; restoring it", self.run_id)
-            return False
-        return self._holds(actor, "the critic", expected_version, retrying_update, False, log_mismatch)
+            relayed_sync(object_store, self.trainer.at_version(expected_version, at_least=True), stale, self.wait)
 
     def reward(self):
         """The reward worker, constructed (its time limit covers scoring only)."""
@@ -430,7 +351,7 @@ class RunActors:
             if published is not None and published[0] >= version:
                 return published_sync(published, targets, self.wait)
         if ranks is None:
-            ranks = self.trainers(version, at_least=True)
+            ranks = self.trainer.at_version(version, at_least=True)
         transport = WEIGHT_TRANSPORTS.get(choose_transport(self.plan, self.cfg).value)
         return relayed_sync(transport, ranks, targets, self.wait, serving=transport.serving(self.plan, self.cfg, len(targets)))
 

@@ -131,7 +131,8 @@ def gather_and_broadcast(
     """Every trainer rank gathers every bucket; rank 0 (with `relay`) broadcasts each into
     the engine group once every replica is ready for it. A failure stops the broadcasts
     (the relay is failed, so the replicas stop asking) and is returned."""
-    sent, failure = 0, None
+    sent = 0
+    failure: Exception | None = None
     if relay is not None and group is None:
         failure = SyncAborted("trainer rank 0 has no engine group: the driver must form it first (ensure_engine_group)")
         relay.fail(str(failure))

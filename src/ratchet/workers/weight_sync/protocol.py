@@ -58,7 +58,7 @@ class SyncResult:
 class RelayRegistry:
     """Rank 0's relays by sync id; a receiver may ask before the trainer opened its."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._cv = threading.Condition()
         self._relays: dict[str, BucketRelay] = {}
 

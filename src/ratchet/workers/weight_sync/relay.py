@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from .buckets import Manifest, WeightBucket
 
@@ -36,8 +36,8 @@ class BucketRelay:
         consumers: int,
         *,
         window: int = 2,
-        put: Callable[[WeightBucket], object] = lambda b: b,
-        wire: Callable[[object], object] = lambda stored: stored,
+        put: Callable[[Any], object] = lambda b: b,
+        wire: Callable[[Any], object] = lambda stored: stored,
         timeout_s: float = 600.0,
         collective: bool = False,
     ):
@@ -49,7 +49,7 @@ class BucketRelay:
         self._stored: dict[int, object] = {}  # bucket index -> stored bucket, until every receiver is past it
         self._offered = 0  # buckets offered so far
         # Per receiver: the bucket it asks for next (DONE: finished or left; -1: not asked yet).
-        self._asked = [-1 if collective else 0] * consumers
+        self._asked: list[float] = [-1 if collective else 0] * consumers
         self._error: str | None = None
         self.peak_stored = 0  # the most buckets held at once, for tests and benchmarks
 
@@ -60,7 +60,7 @@ class BucketRelay:
             self._manifest = manifest
             self._cv.notify_all()
 
-    def offer(self, bucket: WeightBucket) -> None:
+    def offer(self, bucket: WeightBucket | Any) -> None:
         """Store the next bucket once the window has room; SyncAborted if the sync was
         aborted or no receiver made room within the time limit."""
         with self._cv:
@@ -89,6 +89,7 @@ class BucketRelay:
         with self._cv:
             self._wait(lambda: self._manifest is not None or self._error is not None, "the manifest", -1)
             self._raise_if_failed()
+            assert self._manifest is not None  # set, or the wait failed the relay
             return self._manifest
 
     def take(self, consumer: int, index: int):
@@ -104,6 +105,7 @@ class BucketRelay:
                 "bucket", index,
             )  # fmt: skip
             self._raise_if_failed()
+            assert self._manifest is not None  # set, or the wait failed the relay
             if index >= len(self._manifest.buckets):
                 self._asked[consumer] = DONE
                 self._drop_passed()

@@ -81,7 +81,8 @@ def relayed_sync(
     sync_id = sync_id or uuid.uuid4().hex
     transport.prepare(ranks, targets, wait)
     served = Counter(serving)
-    slot, seen = [], Counter()  # replica k is receiver slot[k] of its rank
+    slot: list[int] = []  # replica k is receiver slot[k] of its rank
+    seen: Counter[int] = Counter()
     for rank in serving:
         slot.append(seen[rank])
         seen[rank] += 1
