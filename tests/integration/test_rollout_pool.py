@@ -81,7 +81,7 @@ def test_two_replicas_store_the_one_replica_batch_and_serve_one_version(platform
         # One update; a replica lost between batches is recreated, and both are brought to
         # v1 (the trainer's weights gathered once for both) before they serve.
         actors.trainer.start(str(platform.assets.model))
-        actors.score(0)
+        actors.reward.score(0)
         ranks = actors.trainer.at_version(0)
         assert ray_driver.get([a.train.remote(0, 0, 0.0, 1) for a in ranks])[0].policy_version == 1
         ray_driver.kill(actors.find(Role.ROLLOUT, 1), no_restart=True)

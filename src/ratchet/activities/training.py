@@ -120,7 +120,7 @@ def _batch_ref(inp: t.RolloutInput, uri: str, out) -> t.BatchRef:
 @temporal_errors
 def score(inp: t.ScoreInput) -> t.ScoreOutput:
     actors = actors_for(inp.run)
-    out = actors.score(inp.batch.index, RunLayout.BATCHES, inp.batch.part)
+    out = actors.reward.score(inp.batch.index, RunLayout.BATCHES, inp.batch.part)
     return t.ScoreOutput(
         reward_mean=out.reward_mean, reward_std=out.reward_std, seconds=out.seconds, informative_groups=out.informative_groups
     )

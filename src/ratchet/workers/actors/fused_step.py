@@ -76,7 +76,7 @@ def fused_step(actors: RunActors, req: StepRequest) -> StepDone:
         shares = pool.generate_shares(
             req.batch_index, req.prompt_start, req.prompt_count, req.generation_version, part=req.part, exact=req.exact
         )  # fmt: skip
-        scores, storing = actors.score_shares(req.batch_index, shares)  # the reward worker stores the batch meanwhile
+        scores, storing = actors.reward.score_shares(req.batch_index, shares)  # the reward worker stores the batch meanwhile
         stored.append(storing)
         actors.sleep_rollouts()  # colocated: the engines give the trainer their memory
         # Every replica generated: the sync goes to these (else it looks every replica up).
@@ -100,7 +100,7 @@ def fused_step(actors: RunActors, req: StepRequest) -> StepDone:
         loads = [r.load_published.remote(calls[0][2]) for r in replicas]
         _prefetch_next(req, replicas, version + 1)
     if scores is not None:
-        actors.handed_scores(scores, req.batch_index)  # a failing or hanging reward function is reported as such
+        actors.reward.handed_scores(scores, req.batch_index)  # a failing or hanging reward function is reported as such
     outs = actors.wait([*(c[0] for c in calls), calls[0][1], *stored])
     trained, summary = outs[0], outs[len(calls)]
     train_seconds = time.perf_counter() - t0

@@ -22,11 +22,10 @@ from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.placement_plan import PlacementPlan, plan_placement
 from ratchet.config.sync_transport import choose_transport
 from ratchet.config.schema import RunConfig
-from ratchet.errors import RewardTimeout, WorkerLost
+from ratchet.errors import WorkerLost
 from ratchet.storage import ObjectStore, RunLayout
 
 from ..results import EvalBatchResult, GenerateResult, ScoreResult, TrainResult, WarmupResult
-from ..reward import RewardWorker
 from ..rollout import RolloutWorker
 from ..weight_sync.ray_transport import published_sync
 from ..weight_sync.transport import relayed_sync
@@ -34,16 +33,14 @@ from . import placement
 from .names import Role, actor_name, find_named, kill_named
 from .release import release_run_actors
 from .critic_group import CriticGroup
+from .reward_group import RewardGroup
 from .trainer_group import CheckpointTaken, TrainerGroup
-from .waiting import PlainWaiter, Waiter, WaitTimeout
+from .waiting import PlainWaiter, Waiter
 
 if TYPE_CHECKING:
     from ..weight_sync.protocol import SyncResult
 
 log = logging.getLogger(__name__)
-
-# Actors (by id) this process saw constructed: a step's path skips asking them again.
-_CONSTRUCTED: set[str] = set()
 
 
 @dataclass
@@ -74,6 +71,11 @@ class RunActors:
         return TrainerGroup(self)
 
     @cached_property
+    def reward(self) -> RewardGroup:
+        """The reward worker (reward_group.py)."""
+        return RewardGroup(self)
+
+    @cached_property
     def critic(self) -> CriticGroup:
         """The critic of a GAE run (critic_group.py)."""
         return CriticGroup(self)
@@ -101,7 +103,7 @@ class RunActors:
         """The supervised warm-up (trainer rank 0). The reward worker needs only the
         tokenizer, which the warm-up leaves as it is: its process starts (and imports torch,
         seconds) meanwhile; `start` finds both by name."""
-        self.start_reward(base_model_path)
+        self.reward.start(base_model_path)
         return self.trainer.warm_up(base_model_path)
 
     def start(self, policy_path: str) -> int:
@@ -111,7 +113,7 @@ class RunActors:
         the trainer ranks set up."""
         ready = [
             *(a.policy_version.remote() for a in self.start_rollouts(policy_path)),
-            self.start_reward(policy_path).__ray_ready__.remote(),
+            self.reward.start(policy_path).__ray_ready__.remote(),
         ]
         if self.cfg.uses_critic:
             ready.append(self.critic.start().__ray_ready__.remote())
@@ -126,7 +128,7 @@ class RunActors:
         self.shutdown(keep_admission=True)
         self.trainer.at_version(version)
         source = self.initial_policy()
-        self.wait([*(a.policy_version.remote() for a in self.start_rollouts(source)), self.start_reward(source).__ray_ready__.remote()])
+        self.wait([*(a.policy_version.remote() for a in self.start_rollouts(source)), self.reward.start(source).__ray_ready__.remote()])
         if self.cfg.uses_critic:
             self.critic.at_version(version)
 
@@ -148,7 +150,7 @@ class RunActors:
         """Greedy answers of rollout replica 0 (at `version` or newer) on the first `size`
         eval prompts, stored under `step`, and their scores."""
         generated = self.wait(self.rollout(version).generate_eval.remote(step, size))
-        return generated, self.score(step, RunLayout.EVALS)  # eval batches are stored by training step
+        return generated, self.reward.score(step, RunLayout.EVALS)  # eval batches are stored by training step
 
     def checkpoint(self, step: int, run_state: dict, version: int) -> CheckpointTaken:
         """Checkpoint `step` of policy v`version` (trainer_group.py), the critic's state in it."""
@@ -169,9 +171,6 @@ class RunActors:
     def start_rollouts(self, policy_path: str) -> list:
         """Every rollout replica (rollout.replicas of them)."""
         return [self.start_rollout(policy_path, rank) for rank in range(self.cfg.rollout.replicas)]
-
-    def start_reward(self, policy_path: str):
-        return self.create(RewardWorker, Role.REWARD, 0, self.cfg.resources.reward_cpus, self.cfg, policy_path, self.run_uri)
 
     def rollout(self, expected_version: int, *, exact: bool = False):
         """Rollout replica 0 at `expected_version` or newer (a sync may land before the
@@ -251,7 +250,7 @@ class RunActors:
             self._live_replica(rank)
         if self.find(Role.REWARD) is None:
             log.warning("run %s: the reward worker is gone; recreating it", self.run_id)
-            self.start_reward(self.initial_policy())
+            self.reward.start(self.initial_policy())
 
     def _live_replica(self, rank: int):
         actor = self.find(Role.ROLLOUT, rank)
@@ -283,48 +282,6 @@ class RunActors:
         stale = [a for a, v in zip(actors, held) if v < expected_version]
         if stale:
             relayed_sync(object_store, self.trainer.at_version(expected_version, at_least=True), stale, self.wait)
-
-    def reward(self):
-        """The reward worker, constructed (its time limit covers scoring only)."""
-        actor = self.find(Role.REWARD) or self.start_reward(self.initial_policy())
-        key = actor._actor_id.hex()
-        if key not in _CONSTRUCTED:  # once per actor: a recreated one has a new id
-            self.wait(actor.__ray_ready__.remote())
-            _CONSTRUCTED.add(key)
-        return actor
-
-    def score(self, batch_index: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
-        """Score a stored batch within `reward.timeout_s`; past it, the reward worker is
-        killed (the next attempt makes a fresh one) and RewardTimeout is raised."""
-        return self._within_reward_timeout(self.reward().score.remote(batch_index, kind, part), batch_index, kind)
-
-    def score_shares(self, batch_index: int, shares: list) -> tuple:
-        """Score a batch handed over in memory (RolloutShare ObjectRefs; sync mode's `step`
-        activity) as `score` does a stored one, then have the reward worker store batch and
-        scores; returns the ObjectRefs (of the StepScores, of the store), not waited on: the
-        trainer takes the scores straight from the reward worker. Wait on the scores with
-        `handed_scores` (the reward timeout)."""
-        actor = self.reward()
-        scores = actor.score_shares.remote(batch_index, *shares)
-        stored = actor.store_handed.remote(batch_index, scores, *shares)  # queued behind the scoring
-        return scores, stored
-
-    def handed_scores(self, scores, batch_index: int):
-        """The StepScores of `score_shares`, waited on for at most `reward.timeout_s`."""
-        return self._within_reward_timeout(scores, batch_index, RunLayout.BATCHES)
-
-    def _within_reward_timeout(self, ref, batch_index: int, kind: str):
-        """The reward worker's answer `ref`, waited on for at most `reward.timeout_s`."""
-        timeout_s = self.cfg.reward.timeout_s
-        try:
-            return self.wait(ref, timeout_s=timeout_s)
-        except WaitTimeout:
-            kill_named([self.name(Role.REWARD)])
-            raise RewardTimeout(
-                f"run {self.run_id}: scoring batch {batch_index} of {kind}/ took longer than reward.timeout_s={timeout_s:g} s; the "
-                "reward worker was killed and the next attempt uses a new one. Fix a reward function that hangs, or "
-                "raise reward.timeout_s"
-            ) from None
 
     def sync_weights(self, version: int, *, ranks: list | None = None, targets: list | None = None) -> "SyncResult":
         """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> every
