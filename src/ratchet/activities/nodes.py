@@ -18,8 +18,7 @@ def evacuate_nodes(inp: t.EvacuateInput) -> t.EvacuateOutput:
     """The checkpoint just taken is committed first (its writers may be on the node), then
     the run's actors there are released; the next step rebuilds them from that checkpoint."""
     actors = actors_for(inp.run)
-    if actors.trainer.all_live():
-        actors.trainer.settle_last_checkpoint()
+    actors.trainer.settle_last_checkpoint()
     return t.EvacuateOutput(released=evacuate(actors, inp.node_ids))
 
 

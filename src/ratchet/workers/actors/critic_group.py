@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 from ..critic import CriticWorker
 from .names import Role
 from . import recovery
-from .restore_lease import restore_lease
-from .versions import holds_version
+from .versions import found_or_rebuilt, holds_version
 
 if TYPE_CHECKING:
     from .run_actors import RunActors
@@ -32,14 +31,11 @@ class CriticGroup:
     def at_version(self, expected_version: int, *, retrying_update: bool = False):
         """The critic, updated as often as policy v`expected_version` was (or once more, for
         a retried update whose first try got that far)."""
-        actor = self.actors.find(Role.CRITIC)
-        if self._holds(actor, expected_version, retrying_update, log_mismatch=True):
-            return actor
-        with restore_lease(self.actors.run_id, Role.CRITIC, self.actors.waiter):
-            actor = self.actors.find(Role.CRITIC)
-            if self._holds(actor, expected_version, retrying_update):
-                return actor
-            return recovery.restore_critic(self.actors, expected_version)
+        return found_or_rebuilt(
+            self.actors.run_id, Role.CRITIC, self.actors.waiter, self.actors.find(Role.CRITIC), lambda: self.actors.find(Role.CRITIC),
+            lambda actor, first: self._holds(actor, expected_version, retrying_update, log_mismatch=first),
+            lambda: recovery.restore_critic(self.actors, expected_version),
+        )  # fmt: skip
 
     def _holds(self, actor, expected_version: int, retrying_update: bool, *, log_mismatch: bool = False) -> bool:
         if actor is None:

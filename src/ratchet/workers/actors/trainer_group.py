@@ -24,8 +24,7 @@ from ..results import CheckpointOutcome, CheckpointStarted, TrainResult, WarmupR
 from ..trainer import TrainerWorker
 from .names import Role, kill_named, run_actor_names
 from . import recovery
-from .restore_lease import restore_lease
-from .versions import holds_version
+from .versions import found_or_rebuilt, holds_version
 from .waiting import WaitTimeout
 
 if TYPE_CHECKING:
@@ -123,9 +122,6 @@ class TrainerGroup:
         """The live ranks (None for a missing one), without any version check."""
         return [self.actors.find(Role.TRAINER, r) for r in range(self.actors.cfg.trainer.world_size)]
 
-    def all_live(self) -> bool:
-        return all(a is not None for a in self.ranks())
-
     def probe(self) -> TrainerProbe:
         """Rank 0's version asked ahead, for `at_version(..., probe=)`: its round trip
         overlaps whatever the caller does meanwhile (the step's generation)."""
@@ -140,14 +136,11 @@ class TrainerGroup:
         were lost or hold another version are rebuilt from the last checkpoint and the
         logged updates after it (recovery.py). `probe`: what `probe` asked earlier."""
         ranks, held = (probe.ranks, probe.version) if probe is not None else (self.ranks(), None)
-        if self._hold(ranks, expected_version, retrying_update, at_least, log_mismatch=True, held=held):
-            return ranks
-        with restore_lease(self.actors.run_id, Role.TRAINER, self.actors.waiter):
-            # Another activity may have rebuilt them while this one waited for the lease.
-            ranks = self.ranks()
-            if self._hold(ranks, expected_version, retrying_update, at_least):
-                return ranks
-            return recovery.restore_trainers(self.actors, expected_version)
+        return found_or_rebuilt(
+            self.actors.run_id, Role.TRAINER, self.actors.waiter, ranks, self.ranks,
+            lambda found, first: self._hold(found, expected_version, retrying_update, at_least, log_mismatch=first, held=held if first else None),
+            lambda: recovery.restore_trainers(self.actors, expected_version),
+        )  # fmt: skip
 
     def _hold(
         self, ranks: list, expected_version: int, retrying_update: bool, at_least: bool, *, log_mismatch: bool = False, held=None
@@ -208,8 +201,11 @@ class TrainerGroup:
         """A run must not complete without its last checkpoint: if it failed, take it again
         (the trainer still holds its version unless it trained on); if that fails too,
         raise CheckpointFailed: Temporal retries the attempt, and then the run fails naming
-        the checkpoint. `ranks`: the live ranks (default: as found now)."""
+        the checkpoint. `ranks`: the live ranks (default: as found now; with a rank gone
+        there is nothing to settle: its uploads went with it)."""
         ranks = self.ranks() if ranks is None else ranks
+        if any(a is None for a in ranks):
+            return
         failed = _errors(self.actors.wait([a.wait_checkpoint.remote() for a in ranks]))
         if not failed:
             return

@@ -1,13 +1,17 @@
-"""Whether an actor holds the policy version a caller expects: the check every group makes
-before it hands an actor out (a lost or out-of-step one is rebuilt instead)."""
+"""Whether an actor holds the policy version a caller expects, and the rebuild when it does
+not: what every group does before it hands an actor out."""
 
 from __future__ import annotations
 
 import logging
+from typing import Callable, TypeVar
 
 import ray
 
+from .restore_lease import restore_lease
 from .waiting import Waiter
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -30,3 +34,19 @@ def holds_version(
     if log_mismatch:
         log.warning("run %s: %s holds v%s, the workflow expects v%d; restoring", run_id, what, version, expected_version)
     return False
+
+
+def found_or_rebuilt(
+    run_id: str, role: str, waiter: Waiter, found: T, find: Callable[[], T], holds: Callable[[T, bool], bool], rebuild: Callable[[], T]
+) -> T:  # fmt: skip
+    """`found` if it `holds` the expected version (`holds(x, first)`: the first check logs a
+    mismatch); else, under the run's lease for `role` (one rebuilder at a time), what `find`
+    gives now if that holds it (another activity may have rebuilt it while this one waited
+    for the lease), else `rebuild()`."""
+    if holds(found, True):
+        return found
+    with restore_lease(run_id, role, waiter):
+        found = find()
+        if holds(found, False):
+            return found
+        return rebuild()
