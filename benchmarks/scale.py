@@ -133,7 +133,7 @@ class Workload:
 
     def ideal(self, mode: str) -> float:
         """Seconds per step with free orchestration, from each loop's schedule
-        (workflows/training.py): sync runs the four in order; one_step_off trains step n
+        (workflows/training/loops/): sync runs the four in order; one_step_off trains step n
         while batch n+1 is generated and scored, then syncs; fully_async with partial
         rollouts generates back to back while the trainer keeps up (the sync overlaps the
         next update), so the slower of generate and train sets the pace."""

@@ -165,22 +165,57 @@ def test_schema_loop_modes_are_the_table():
     assert list(LoopConfig.model_fields["mode"].annotation.__args__) == list(LOOP_MODES)
 
 
-def test_workflow_has_a_loop_method_for_each_mode_and_no_other():
-    from ratchet.workflows.training import TrainingWorkflow
+def test_each_loop_mode_is_a_module_with_a_run_function_and_the_workflow_dispatches_through_the_table():
+    """Every catalog entry resolves to `run(parts, state, plan)` in a module of its own under
+    workflows/training/loops/, every module there is in the table, and the workflow picks
+    the loop from the table (a loop mode is one module and one catalog line)."""
+    import pkgutil
 
-    loops = {name for name, fn in vars(TrainingWorkflow).items() if name.endswith("_loop") and inspect.iscoroutinefunction(fn)}
-    assert loops == {mode.method for _, mode in LOOP_MODES.objects()}, (
-        "catalog/loop_modes.py LOOP_MODES and TrainingWorkflow's loops differ"
-    )
+    from ratchet.workflows.training import loops, workflow
+
+    modules = {m.name for m in pkgutil.iter_modules(loops.__path__)}
+    targets = {}
+    for name, mode in LOOP_MODES.objects():
+        fn = mode.loop()
+        assert inspect.iscoroutinefunction(fn), f"loop mode {name}: {mode.run} is not a coroutine function"
+        assert list(inspect.signature(fn).parameters) == ["parts", "state", "plan"], (name, mode.run)
+        targets[name] = fn.__module__.rsplit(".", 1)[-1]
+    assert set(targets.values()) == modules, ("catalog/loop_modes.py LOOP_MODES and workflows/training/loops/ differ", targets, modules)
+    assert workflow.LOOPS == {name: mode.loop() for name, mode in LOOP_MODES.objects()}
+    assert "LOOPS[LOOP_MODES.check(plan.mode)]" in inspect.getsource(workflow.TrainingWorkflow._run)
 
 
-def test_workflow_dispatches_through_the_table():
+def test_each_patch_marker_is_in_the_workflow_and_its_history_replays_the_old_branch():
+    """Every `workflow.patched` marker is listed in patches.py (with why and since when), and
+    the recorded history named for it exists and does not carry it (so replaying it takes
+    the old branch, which is what keeps such runs alive until the marker is retired)."""
+    import base64
+    import gzip
+    import json
+    import re
+    from pathlib import Path
+
     from ratchet.workflows import training
+    from ratchet.workflows.training.patches import PATCHES
 
-    assert "LOOP_MODES.get(plan.mode)" in inspect.getsource(training.TrainingWorkflow._run), (
-        "TrainingWorkflow._run still picks its loop from its own dict; apply the issue-11 change: "
-        "`loop = getattr(self, LOOP_MODES.get(plan.mode).method)` (and import LOOP_MODES from ratchet.catalog.loop_modes)"
-    )
+    package = Path(training.__file__).parent
+    used = set()
+    for path in package.rglob("*.py"):
+        used |= set(re.findall(r"workflow\.patched\((\w+)\.name\)", path.read_text()))
+    assert used == {name for name, value in vars(training.patches).items() if value in PATCHES}, used
+    assert 'workflow.patched("' not in "".join(p.read_text() for p in package.rglob("*.py")), "a marker outside patches.py"
+    tests = Path(__file__).resolve().parents[1]
+    for patch in PATCHES:
+        if patch.history is None:
+            continue
+        events = json.loads(gzip.decompress((tests / patch.history).read_bytes()))["events"]
+        recorded = set()
+        for e in events:
+            marker = e.get("markerRecordedEventAttributes") or {}
+            if marker.get("markerName") == "core_patch":
+                for payloads in marker["details"].values():
+                    recorded |= {json.loads(base64.b64decode(p["data"]))["id"] for p in payloads["payloads"]}
+        assert patch.name not in recorded, f"{patch.history} carries {patch.name!r}: it does not replay the old branch"
 
 
 # --------------------------------------------------------------------------- trackers

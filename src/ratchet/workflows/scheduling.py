@@ -2,8 +2,8 @@
 
 Which policy version generates a batch, whether the fully_async producer may start one,
 when a sync, checkpoint, evaluation or continue-as-new is due, what a checkpoint records
-of the work in flight, and a step's metrics line. The schedule itself is described in the
-docstring of src/ratchet/workflows/training.py.
+of the work in flight, and a step's metrics line. Each loop mode's schedule is described in
+its module's docstring (src/ratchet/workflows/training/loops/).
 
 Pure and deterministic, standard library and `ratchet.types` only: the workflow imports
 this module inside the Temporal sandbox, and tests/unit/test_scheduling.py checks it with
