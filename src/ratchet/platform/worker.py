@@ -41,6 +41,7 @@ from datetime import timedelta
 
 from ratchet.private_paths import PRIVATE_UMASK
 from ratchet.types import TASK_QUEUE
+from ratchet.start_up_gc import start_up
 
 from .reachability import ServiceUnreachable, check_services, host_port, tcp_unreachable_reason, temporal_unreachable_reason
 from .services import ServiceSettings, ray_address, ray_auth_env, temporal_address
@@ -289,19 +290,20 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
     log.info("Temporal payloads sealed with %s", data_converter(settings.payload_key_file).payload_codec.key.describe())
     # Before joining Ray: ray.init on an address with no GCS retries with a warning a second.
     await asyncio.get_running_loop().run_in_executor(None, check_services, settings.temporal_address, settings.ray_address, settings.wait_s)
-    connect_ray(settings.ray_address, settings.ray_auth_env)
     retries = _QuietRetries()
-    client = await _connect_temporal(Client, settings, runtime=_quiet_runtime(retries))
-    await _sweep_leftover_actors(client)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
-    executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
-    worker = build_worker(client, settings, executor)
+    with start_up():  # Ray, the activities and the workflows imported: src/ratchet/start_up_gc.py
+        connect_ray(settings.ray_address, settings.ray_auth_env)
+        client = await _connect_temporal(Client, settings, runtime=_quiet_runtime(retries))
+        await _sweep_leftover_actors(client)
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
+        worker = build_worker(client, settings, executor)
     log.info(
         "worker on %s (queue %s), Ray at %s, pid %d", settings.temporal_address, settings.task_queue, settings.ray_address, os.getpid()
     )

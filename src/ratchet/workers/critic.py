@@ -31,6 +31,7 @@ from ratchet.algorithms import masked_mean, value_clipped, value_loss
 from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
 from ratchet.storage import BatchStore, ObjectStore, RunLayout
+from ratchet.start_up_gc import during_start_up
 
 from .batch import RolloutBatch, load_step
 from .columns import Fields, Parts
@@ -154,6 +155,7 @@ CRITIC_FORMAT = "ratchet-critic-state/1"
 class CriticWorker:
     """Ray actor around `CriticTrainer`, reading and writing the batch store."""
 
+    @during_start_up
     def __init__(self, cfg: RunConfig, run_uri: str):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.trainer = CriticTrainer(cfg, critic_backbone(cfg, run_uri))

@@ -13,6 +13,7 @@ from ratchet.algorithms import dynamic_sampling_keep
 from ratchet.config.schema import RunConfig
 from ratchet.storage import BatchStore, ObjectStore, RunLayout
 from ratchet.tasks.loading import load_reward_fn
+from ratchet.start_up_gc import during_start_up
 
 from .batch import HandedStep, RolloutBatch, StepScores, save_scores, score_summary
 from .columns import Parts, part_name
@@ -25,6 +26,7 @@ from .scoring import RewardModelScorer, check_finite_rewards, score_batch
 
 
 class RewardWorker:
+    @during_start_up
     def __init__(self, cfg: RunConfig, tokenizer_path: str, run_uri: str):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         from ratchet.hf_imports import load_tokenizer  # after configure_worker_process: see hf_imports.py

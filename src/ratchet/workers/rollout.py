@@ -33,6 +33,7 @@ from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.schema import RunConfig
 from ratchet.data.order import data_order_seed
 from ratchet.storage import BatchStore, ObjectStore, RunLayout
+from ratchet.start_up_gc import during_start_up
 
 from .batch import RolloutBatch
 from .columns import Parts, part_name
@@ -64,6 +65,7 @@ class RolloutWorker:
     # Ray creates the actor with these (placement.create_actor reads them from the class).
     CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {PROBE_GROUP: 1}
 
+    @during_start_up
     def __init__(self, cfg: RunConfig, policy_path: str, run_uri: str):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg = cfg

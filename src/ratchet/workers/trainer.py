@@ -34,6 +34,7 @@ from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
 from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
+from ratchet.start_up_gc import during_start_up
 
 from .background import BackgroundCall
 from .batch import HandedStep, HandedSummary, ScoredStep, StepScores, load_step
@@ -64,6 +65,7 @@ class TrainerWorker:
     # `sync_*` methods hand buckets to the rollout replicas while the main thread gathers them.
     CONCURRENCY_GROUPS: ClassVar[dict[str, int]] = {"published": 1, SYNC_GROUP: SYNC_GROUP_THREADS}
 
+    @during_start_up
     def __init__(self, cfg: RunConfig, policy_path: str, run_uri: str, rank: int, world_size: int):
         configure_worker_process(cfg.resources.torch_threads, cfg.seed if cfg.deterministic else None)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -132,6 +134,7 @@ class TrainerWorker:
         host = node_address()
         return host, free_port(host)
 
+    @during_start_up
     def setup(self, master_port: int, master_addr: str | None = None) -> int:
         """Join the process group (all ranks at once) and load the policy; returns parameter
         count. `master_addr`/`master_port`: rank 0's `rendezvous_address` (no address:
