@@ -32,6 +32,8 @@ def cfg_dict(model_path, **sections) -> dict:
 
 
 def make_cfg(model_path, **sections) -> RunConfig:
-    from ratchet.config.schema import RunConfig
+    """The config through every check of the config alone (the schema and the cross-section
+    checks; no file read): a ConfigError, a ValueError, names what is wrong."""
+    from ratchet.config.loader import parse_config
 
-    return RunConfig.model_validate(cfg_dict(model_path, **sections))
+    return parse_config(cfg_dict(model_path, **sections))

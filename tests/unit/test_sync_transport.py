@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from ratchet.config.placement_plan import plan_placement
+from ratchet.config.loader import ConfigError, parse_config
 from ratchet.config.schema import RunConfig
 from ratchet.config.sync_transport import Transport, choose_transport, ipc_partners
 
@@ -34,7 +34,8 @@ def config(
     pools=None, *, world=1, replicas=1, mode="sync", transport="auto", device="auto", root="/tmp/r", model="m", data="d.parquet",
     rollout=None,
 ) -> RunConfig:  # fmt: skip
-    return RunConfig.model_validate(
+    """The config, through the submit check of the config alone (its cross-section checks included)."""
+    return parse_config(
         {
             "seed": 0,
             "model": {"path": str(model)},
@@ -104,7 +105,7 @@ def test_ipc_partners_are_the_trainer_ranks_on_each_replicas_gpu():
     ],
 )  # fmt: skip
 def test_a_forced_transport_the_placement_cannot_carry_is_refused_at_submit(pools, kw, says):
-    with pytest.raises(ValidationError) as info:
+    with pytest.raises(ConfigError) as info:
         config(pools, **kw)
     text = str(info.value)
     assert "trainer.sync_transport is" in text and says in text and ("auto" in text or "object_store" in text)

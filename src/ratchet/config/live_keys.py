@@ -109,10 +109,7 @@ def check_live_changes(config: Mapping[str, Any], current: Mapping[str, Any], ch
     """The validated `changes` (key -> value as the config field holds it) to a run whose
     stored config is `config` and whose live values are `current`; a ConfigError naming
     each key that cannot change live, or each value its field refuses."""
-    from pydantic import ValidationError
-
-    from ratchet.config.loader import _translate
-    from ratchet.config.schema import RunConfig
+    from ratchet.config.loader import ConfigError, parse_config
 
     if not changes:
         raise _issues_error([("(set)", f"nothing to change; give key=value pairs, e.g. trainer.lr=1e-5 (keys: {', '.join(LIVE)})")])
@@ -126,9 +123,9 @@ def check_live_changes(config: Mapping[str, Any], current: Mapping[str, Any], ch
     if issues:
         raise _issues_error(issues)
     try:
-        cfg = RunConfig.model_validate(_with_values(config, {**current, **changes}))
-    except ValidationError as exc:
-        raise _issues_error([_translate(err) for err in exc.errors()]) from None
+        cfg = parse_config(_with_values(config, {**current, **changes}))
+    except ConfigError as exc:
+        raise _issues_error(exc.issues) from None
     return {key: _value_at(cfg, key) for key in changes}
 
 

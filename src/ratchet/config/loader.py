@@ -23,14 +23,14 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
-from ratchet.config import credentials
+from ratchet.config import credentials, cross_checks
 from ratchet.config.dataset_check import check_data
 from ratchet.config.schema import RunConfig
 from ratchet.config.sections import section_at
 from ratchet.data.files import DatasetFileError, dataset_format
 from ratchet.tasks.loading import RewardLoadError, load_filter_fn, load_reward_fn
 
-__all__ = ["ConfigError", "Issue", "config_to_yaml", "load_config", "validate_config"]
+__all__ = ["ConfigError", "Issue", "config_to_yaml", "load_config", "parse_config", "validate_config"]
 
 Issue = tuple[str, str]
 """(dotted field path, message). Problems that belong to no field use a parenthesised path,
@@ -108,12 +108,8 @@ def validate_config(data: Mapping[str, Any], *, check_files: bool = True) -> Run
     refused = credentials.check_values(data)
     if refused:
         raise ConfigError(refused)
-    try:
-        cfg = RunConfig.model_validate(dict(data))
-    except ValidationError as exc:
-        raise ConfigError([_translate(err) for err in exc.errors()]) from None
-    cfg = _resolve_paths(cfg)
-    issues = _check_batch_split(cfg)
+    cfg = _resolve_paths(_parsed(data))
+    issues = _cross_section_issues(cfg)
     if check_files:
         file_issues = _check_files(cfg)
         # The data checks read what the file checks vouch for; a missing model or dataset
@@ -125,6 +121,29 @@ def validate_config(data: Mapping[str, Any], *, check_files: bool = True) -> Run
     if issues:
         raise ConfigError(issues)
     return cfg
+
+
+def parse_config(data: Mapping[str, Any]) -> RunConfig:
+    """`data` as a RunConfig that passed every check of the config alone: each section's
+    own (the schema) and those across sections (cross_checks.py); a ConfigError naming each
+    field otherwise. No file is read."""
+    cfg = _parsed(data)
+    issues = _cross_section_issues(cfg)
+    if issues:
+        raise ConfigError(issues)
+    return cfg
+
+
+def _parsed(data: Mapping[str, Any]) -> RunConfig:
+    """`data` through the schema: each section's own checks."""
+    try:
+        return RunConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError([_translate(err) for err in exc.errors()]) from None
+
+
+def _cross_section_issues(cfg: RunConfig) -> list[Issue]:
+    return [(path or _leading_field_path(message) or "(config)", message) for path, message in cross_checks.problems(cfg)]
 
 
 def config_to_yaml(cfg: RunConfig) -> str:
@@ -385,23 +404,3 @@ def _check_files(cfg: RunConfig) -> list[Issue]:
 
         issues += tool_issues(cfg.rollout.multi_turn.tools)
     return issues
-
-
-def _check_batch_split(cfg: RunConfig) -> list[Issue]:
-    """Every trainer rank must get the same number of samples, or FSDP's collectives hang.
-
-    Checked even without `check_files`: it depends only on the config itself.
-    """
-    samples = cfg.loop.prompts_per_step * cfg.rollout.n
-    world = cfg.trainer.world_size
-    if samples % world == 0:
-        return []
-    divisors = [d for d in range(1, min(samples, 64) + 1) if samples % d == 0]
-    return [
-        (
-            "trainer.world_size",
-            f"{samples} samples per step (loop.prompts_per_step={cfg.loop.prompts_per_step} x rollout.n="
-            f"{cfg.rollout.n}) do not split evenly over {world} ranks; every rank must get the same number "
-            f"of samples, so use a world size that divides {samples} (e.g. {', '.join(map(str, divisors))})",
-        )
-    ]

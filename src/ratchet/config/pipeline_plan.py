@@ -6,10 +6,13 @@ checked at submit before any stage starts. No torch.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from ratchet.config.schema import RunConfig
+
+# A run config's cross-section problems (cross_checks.problems): (field or None, message).
+StageChecks = Callable[["RunConfig"], list[tuple[str | None, str]]]
 
 
 def _expanded(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -48,8 +51,10 @@ def rl_stage_config(cfg: RunConfig, index: int) -> RunConfig:
     return type(cfg).model_validate(rl_stage_dict(cfg, index))
 
 
-def stage_problems(cfg: RunConfig) -> list[str]:
-    """What keeps the stages from running, each naming the stage and the key."""
+def stage_problems(cfg: RunConfig, *, stage_checks: StageChecks) -> list[str]:
+    """What keeps the stages from running, each naming the stage and the key. Each rl
+    stage's config must parse and pass `stage_checks` (the run config's own cross-section
+    checks, handed in by cross_checks.py, which calls this)."""
     from pydantic import ValidationError
 
     problems: list[str] = []
@@ -75,6 +80,7 @@ def stage_problems(cfg: RunConfig) -> list[str]:
                 loc = ".".join(str(x) for x in err["loc"])
                 problems.append(f"{where}{'.' + loc if loc else ''}: {err['msg']}")
             continue
+        problems.extend(f"{where}{'.' + path if path else ''}: {message}" for path, message in stage_checks(rl))
         if i > 0 and rl.warmup.steps > 0:
             problems.append(
                 f"{where}.warmup.steps={rl.warmup.steps}: an rl stage after another starts from that stage's model, which "

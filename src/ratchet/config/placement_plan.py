@@ -9,7 +9,8 @@ device. Trainer and rollout in one pool is *colocated* (the engine sleeps while 
 trainer runs); in two pools, *split*. No pools (the default): every actor reserves its
 `resources.*_cpus` from the whole cluster, as before pools existed.
 
-Imports nothing heavy: the config schema calls `plan_placement` while validating.
+Imports nothing heavy: the submit check calls `plan_placement` once the config has parsed
+(config/cross_checks.py).
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .pool_roles import CRITIC, POOL_ROLES, REFERENCE, REWARD, ROLLOUT, TRAINER
+
 if TYPE_CHECKING:
     from .schema import RunConfig
 
-# The roles a pool can host. The reference policy lives inside the trainer ranks (they
-# compute its log-probs), so it can only be named on the trainer's pool.
-TRAINER, ROLLOUT, REFERENCE, CRITIC, REWARD = "trainer", "rollout", "reference", "critic", "reward"
-POOL_ROLES = (TRAINER, ROLLOUT, REFERENCE, CRITIC, REWARD)
+__all__ = ["CRITIC", "POOL_ROLES", "REFERENCE", "REWARD", "ROLLOUT", "TRAINER", "PlacementPlan", "PoolPlan", "Slot", "plan_placement"]
 
 # (dotted field path, what is wrong with it): the message reads on from the path,
 # "resources.pools.0.roles names 'rollout' 2 times; ...".

@@ -23,8 +23,7 @@ from pydantic import Discriminator, Tag
 from ratchet.catalog.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY, POLICY_LOSSES
 from ratchet.algorithms.off_policy_settings import as_is_weights, as_rejection, criterion_problems, is_weights_problems, mode_problems
 from ratchet.algorithms.off_policy_settings import rejection_problems
-from ratchet.config.placement_plan import POOL_ROLES, PlacementProblem, plan_placement, problems_text
-from ratchet.config.sync_transport import transport_problems
+from ratchet.config.pool_roles import POOL_ROLES
 from ratchet.catalog import storage_schemes as schemes
 from ratchet.storage.layout import RunLayout
 from ratchet.catalog.engines import ENGINES
@@ -964,78 +963,7 @@ class RunConfig(Section):
     def uses_critic(self) -> bool:
         return ADV_ESTIMATORS.get(self.algorithm.adv_estimator).needs_critic
 
-    @model_validator(mode="after")
-    def _critic_warmup_needs_critic(self) -> "RunConfig":
-        if self.critic.warmup_steps and not self.uses_critic:
-            raise ValueError(
-                f"critic.warmup_steps={self.critic.warmup_steps} needs a critic, and adv_estimator="
-                f"{self.algorithm.adv_estimator!r} trains none: set critic.warmup_steps=0 or algorithm.adv_estimator=gae"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _groups_need_members(self) -> "RunConfig":
-        if ADV_ESTIMATORS.get(self.algorithm.adv_estimator).needs_group and self.rollout.n < 2:
-            raise ValueError(
-                f"rollout.n must be >= 2 for adv_estimator={self.algorithm.adv_estimator!r} "
-                "(a group baseline needs several samples per prompt)"
-            )
-        if self.loop.mode == "fully_async" and self.algorithm.dynamic_sampling:
-            raise ValueError("algorithm.dynamic_sampling needs loop.mode sync or one_step_off (fully_async batches are fixed-size)")
-        if self.loop.mode == "fully_async" and self.loop.sync_every > self.loop.max_staleness + 1:
-            raise ValueError(
-                f"loop.sync_every={self.loop.sync_every} > loop.max_staleness + 1 = {self.loop.max_staleness + 1}: "
-                "every batch would be too stale to train on"
-            )
-        if self.algorithm.kl.target is not None and self.algorithm.kl.coef == 0:
-            raise ValueError("algorithm.kl.coef must be > 0 when algorithm.kl.target is set (the adaptive controller scales it)")
-        return self
-
     @property
     def uses_safety(self) -> bool:
         """Safe-RLHF: a cost (function or model) is configured."""
         return self.safety.enabled
-
-    @model_validator(mode="after")
-    def _safety_fits(self) -> "RunConfig":
-        """Safe-RLHF needs the cost's own advantage from the same estimator: no cost critic
-        or greedy cost baseline exists, so estimators that need one are refused."""
-        if not self.uses_safety:
-            return self
-        estimator = ADV_ESTIMATORS.get(self.algorithm.adv_estimator)
-        if estimator.needs_critic or estimator.needs_baseline:
-            needs = "a critic" if estimator.needs_critic else "a greedy baseline"
-            raise ValueError(
-                f"safety (Safe-RLHF) with algorithm.adv_estimator={self.algorithm.adv_estimator!r}: that estimator needs "
-                f"{needs}, and ratchet has none for the cost; use a critic-free estimator without a baseline (grpo, rloo, "
-                "reinforce_plus_plus_baseline, reinforce_plus_plus) or unset safety.cost_function and safety.cost_model_path"
-            )
-        if self.safety.lambda_update == "log" and self.safety.lambda_init == 0:
-            raise ValueError("safety.lambda_init must be > 0 with safety.lambda_update=log (log 0 is -inf: it would never move)")
-        if self.safety.lambda_max is not None and self.safety.lambda_init > self.safety.lambda_max:
-            raise ValueError(f"safety.lambda_init={self.safety.lambda_init} is above safety.lambda_max={self.safety.lambda_max}")
-        return self
-
-    @model_validator(mode="after")
-    def _stages_fit(self) -> "RunConfig":
-        """Each rl stage's config (this one plus its overrides) must be a valid run, and a
-        model handed from stage to stage must exist (config/pipeline_plan.py)."""
-        if self.stages:
-            from ratchet.config.pipeline_plan import stage_problems
-
-            problems = stage_problems(self)
-            if problems:
-                raise ValueError("; ".join(problems))
-        return self
-
-    @model_validator(mode="after")
-    def _placement_fits(self) -> "RunConfig":
-        """resources.pools: every role on one pool, each pool big enough (placement_plan.py),
-        and a forced `trainer.sync_transport` that placement can carry (sync_transport.py)."""
-        try:
-            problems = transport_problems(plan_placement(self), self)
-        except PlacementProblem as exc:
-            problems = exc.problems
-        if problems:
-            raise ValueError(problems_text(problems))
-        return self

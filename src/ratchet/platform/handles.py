@@ -4,12 +4,26 @@ progress, wait on for its result, follow until it closes, and signal."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from collections.abc import Coroutine
+from typing import Any, ClassVar, Iterator, Protocol
 
 from ratchet.types import RunCommand
 
-if TYPE_CHECKING:
-    from .client import Client
+
+class ClientConnection(Protocol):
+    """What a handle (and the start of a sweep or a pipeline) needs of the client that made
+    it: platform/client.py's `Client` is one. A protocol, so that the handles' modules need
+    not import the client that imports them."""
+
+    task_queue: str
+    _temporal: Any  # temporalio.client.Client
+    _loop: asyncio.AbstractEventLoop
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any: ...
+
+    def has_search_attributes(self) -> bool: ...
+
+    def workflow_status(self, workflow_id: str) -> str | None: ...
 
 
 def command_for(workflow_id: str) -> RunCommand:
@@ -23,7 +37,7 @@ class WorkflowHandle:
     """A mixin for a dataclass with `client`; subclasses name their workflow id and the
     types of its `progress` query and its result."""
 
-    client: "Client"
+    client: ClientConnection
     summary_type: ClassVar[type]
     progress_type: ClassVar[type]
 

@@ -16,19 +16,17 @@ from ratchet.ids import check_id
 from ratchet.pipeline_types import PipelineInput, PipelineProgress, PipelineSummary, StagePlan, stage_run_id
 from ratchet.types import TrainingInput
 
-from .handles import WorkflowHandle
+from .handles import ClientConnection, WorkflowHandle
 
 if TYPE_CHECKING:
     from ratchet.config.schema import RunConfig
-
-    from .client import Client
 
 WORKFLOW = "PipelineWorkflow"
 
 
 @dataclass
 class PipelineHandle(WorkflowHandle):
-    client: "Client"
+    client: ClientConnection
     run_id: str
 
     summary_type: ClassVar[type] = PipelineSummary
@@ -92,7 +90,7 @@ def _absolute_stage_paths(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"stages": stages})
 
 
-def start_pipeline(client: "Client", cfg: RunConfig, run_id: str, *, check_files: bool = True) -> PipelineHandle:
+def start_pipeline(client: ClientConnection, cfg: RunConfig, run_id: str, *, check_files: bool = True) -> PipelineHandle:
     """Check the stages, plan them and start the pipeline workflow `run_id`."""
     from ratchet.config import ConfigError
     from ratchet.config.loop_plan import loop_plan

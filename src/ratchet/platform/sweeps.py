@@ -20,13 +20,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Sequence
 
 from ratchet.ids import check_id
 from ratchet.sweep_types import SweepInput, SweepPlan, SweepProgress, SweepSummary, trial_run_id
-from .handles import WorkflowHandle
+from .handles import ClientConnection, WorkflowHandle
 from .taken_ids import check_new_sweep_id
 
 if TYPE_CHECKING:
     from ratchet.config.sweep_spec import SweepSpec
-
-    from .client import Client
 
 SWEEP_WORKFLOW = "SweepWorkflow"
 
@@ -76,7 +74,7 @@ def prepare_sweep(
     )
 
 
-def start_sweep(client: "Client", spec, overrides: Sequence[str] = (), *, sweep_id: str | None = None) -> "SweepHandle":
+def start_sweep(client: ClientConnection, spec, overrides: Sequence[str] = (), *, sweep_id: str | None = None) -> "SweepHandle":
     """Start the sweep; `spec` may also be a SweepInput that `prepare_sweep` made (the CLI
     validates before it connects), started as it is."""
     has_attrs = client.has_search_attributes()
@@ -94,7 +92,7 @@ def start_sweep(client: "Client", spec, overrides: Sequence[str] = (), *, sweep_
 
 @dataclass
 class SweepHandle(WorkflowHandle):
-    client: "Client"
+    client: ClientConnection
     sweep_id: str
 
     summary_type: ClassVar[type] = SweepSummary
