@@ -302,9 +302,9 @@ def test_two_activities_that_find_the_trainer_gone_rebuild_it_once(platform, ray
     rebuilds = []
     real_restore = recovery.restore_trainers
 
-    def counted_restore(run_actors, version):
+    def counted_restore(run_actors, trainer, version):
         rebuilds.append(version)
-        return real_restore(run_actors, version)
+        return real_restore(run_actors, trainer, version)
 
     monkeypatch.setattr(recovery, "restore_trainers", counted_restore)
     try:

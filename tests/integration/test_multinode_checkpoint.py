@@ -277,7 +277,7 @@ def test_two_ranks_without_a_shared_disk_checkpoint_and_restore_from_the_store(p
         actors.trainer.kill()
 
         with caplog.at_level(logging.WARNING, logger="ratchet.storage.checkpoint_store"):
-            ranks = restore_trainers(actors, 2)
+            ranks = restore_trainers(actors, actors.trainer, 2)
         assert "checkpoint" in caplog.text and "step-00000002 is corrupted" in caplog.text
         after = ray_driver.get([a.__ray_call__.remote(_full_state) for a in ranks])
         assert_same(after, before)

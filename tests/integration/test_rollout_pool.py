@@ -41,9 +41,9 @@ def one_replica_batch(platform, ray_driver, tmp_path_factory):
 
     actors = run_actors(platform, tmp_path_factory.mktemp("one"), "pool-one")
     try:
-        actors.start_rollouts(str(platform.assets.model))
-        assert actors.generate(0, 0, PROMPTS, 0).num_samples == PROMPTS * N
-        assert actors.generate(1, 5, PROMPTS, 0).num_samples == PROMPTS * N
+        actors.rollout.start(str(platform.assets.model))
+        assert actors.rollout.generate(0, 0, PROMPTS, 0).num_samples == PROMPTS * N
+        assert actors.rollout.generate(1, 5, PROMPTS, 0).num_samples == PROMPTS * N
         store = BatchStore(ObjectStore(actors.run_uri))
         return RolloutBatch.load(store, 0), RolloutBatch.load(store, 1)
     finally:
@@ -60,20 +60,19 @@ def assert_same_batch(got: RolloutBatch, want: RolloutBatch) -> None:
 
 def test_two_replicas_store_the_one_replica_batch_and_serve_one_version(platform, ray_driver, tmp_path, one_replica_batch):
     from ratchet.workers.actors import Role, release_run_actors
-    from ratchet.workers.actors.rollout_pool import RolloutPool
 
     actors = run_actors(platform, tmp_path, "pool-two", "rollout.replicas=2")
     try:
-        replicas = actors.start_rollouts(str(platform.assets.model))
+        replicas = actors.rollout.start(str(platform.assets.model))
         assert [a._actor_id for a in replicas] == [actors.find(Role.ROLLOUT, r)._actor_id for r in (0, 1)]
         # Spread: one contiguous share per replica, whole prompts, in batch order.
-        shares = ray_driver.get(RolloutPool(actors).generate_shares(0, 0, PROMPTS, 0))
+        shares = ray_driver.get(actors.rollout.generate_shares(0, 0, PROMPTS, 0))
         assert len(shares) == 2
         want = one_replica_batch[0].prompt_index.tolist()
         assert [s.batch.prompt_index.tolist() for s in shares] == [want[: 3 * N], want[3 * N :]]
         assert all(len(set(want[g * N : (g + 1) * N])) == 1 for g in range(PROMPTS)), "a group's n rows are one prompt"
         # Stored: the rows, tokens and seeds of the one-replica batch.
-        out = actors.generate(0, 0, PROMPTS, 0)
+        out = actors.rollout.generate(0, 0, PROMPTS, 0)
         assert out.num_samples == PROMPTS * N and out.policy_version == 0
         store = BatchStore(ObjectStore(actors.run_uri))
         assert_same_batch(RolloutBatch.load(store, 0), one_replica_batch[0])
@@ -85,13 +84,13 @@ def test_two_replicas_store_the_one_replica_batch_and_serve_one_version(platform
         ranks = actors.trainer.at_version(0)
         assert ray_driver.get([a.train.remote(0, 0, 0.0, 1) for a in ranks])[0].policy_version == 1
         ray_driver.kill(actors.find(Role.ROLLOUT, 1), no_restart=True)
-        again = actors.rollouts(1)
+        again = actors.rollout.replicas(1)
         assert again[0]._actor_id == replicas[0]._actor_id and again[1]._actor_id != replicas[1]._actor_id
         assert ray_driver.get([a.policy_version.remote() for a in again]) == [1, 1]
         # Another update (the same batch, v1 -> v2), then a weight sync: both serve v2.
         assert ray_driver.get([a.train.remote(0, 1, 0.0, 1) for a in ranks])[0].policy_version == 2
         actors.sync_weights(2)
-        assert ray_driver.get([a.policy_version.remote() for a in actors.rollouts()]) == [2, 2]
+        assert ray_driver.get([a.policy_version.remote() for a in actors.rollout.replicas()]) == [2, 2]
     finally:
         release_run_actors("pool-two")
 
@@ -107,7 +106,7 @@ def test_a_replica_answers_its_version_probe_while_it_generates(platform, ray_dr
 
     actors = run_actors(platform, tmp_path, "pool-probe")
     try:
-        (replica,) = actors.start_rollouts(str(platform.assets.model))
+        (replica,) = actors.rollout.start(str(platform.assets.model))
         assert ray_driver.get(replica.policy_version.remote()) == 0  # constructed
         busy = replica.__ray_call__.remote(lambda worker: time.sleep(4.0))  # the thread a generation runs on
         assert ray_driver.get(replica.policy_version.remote(), timeout=2.0) == 0
@@ -122,7 +121,7 @@ def test_replica_killed_during_a_batch_is_recreated_and_its_share_redone(platfor
     them); the batch is the one-replica batch all the same, and replica 1 is a new actor
     serving the pool's version."""
     from ratchet.workers.actors import PlainWaiter, Role, release_run_actors
-    from ratchet.workers.actors.rollout_pool import RolloutPool
+    from ratchet.workers.actors.rollout_group import RolloutGroup
 
     class KillOnFirstWait(PlainWaiter):
         victim = None
@@ -133,26 +132,26 @@ def test_replica_killed_during_a_batch_is_recreated_and_its_share_redone(platfor
                 ray_driver.kill(victim, no_restart=True)
             return super().wait(refs, timeout_s=timeout_s)
 
-    class KillDuringBatch(RolloutPool):
+    class KillDuringBatch(RolloutGroup):
         def _run(self, batch_index, part, version, exact, replicas, todo, done):
             if not getattr(self, "armed", False):
                 self.armed = True
-                self.actors.waiter.victim = replicas[1]
+                self.run.waiter.victim = replicas[1]
             return super()._run(batch_index, part, version, exact, replicas, todo, done)
 
     actors = run_actors(platform, tmp_path, "pool-kill", "rollout.replicas=2")
     actors.waiter = KillOnFirstWait()
     try:
-        first = actors.start_rollouts(str(platform.assets.model))
+        first = actors.rollout.start(str(platform.assets.model))
         ray_driver.get([a.policy_version.remote() for a in first])
-        with caplog.at_level(logging.WARNING, logger="ratchet.workers.actors.rollout_pool"):
-            refs = KillDuringBatch(actors).generate_shares(1, 5, PROMPTS, 0)
+        with caplog.at_level(logging.WARNING, logger="ratchet.workers.actors.rollout_group"):
+            refs = KillDuringBatch(actors, actors.trainer).generate_shares(1, 5, PROMPTS, 0)
         assert any("lost during batch 1; redoing 3 prompts on replica(s) [0]" in r.getMessage() for r in caplog.records)
-        out = ray_driver.get(actors.rollouts(0)[0].save_shares.remote(1, 0, *refs))
+        out = ray_driver.get(actors.rollout.replicas(0)[0].save_shares.remote(1, 0, *refs))
         assert out.num_samples == PROMPTS * N
         assert_same_batch(RolloutBatch.load(BatchStore(ObjectStore(actors.run_uri)), 1), one_replica_batch[1])
         # Recreated meanwhile: a new actor, at the version the others serve.
-        again = actors.rollouts(0)
+        again = actors.rollout.replicas(0)
         assert again[1]._actor_id != first[1]._actor_id and again[0]._actor_id == first[0]._actor_id
         assert ray_driver.get([a.policy_version.remote() for a in again]) == [0, 0]
         assert actors.find(Role.ROLLOUT, 1)._actor_id == again[1]._actor_id
@@ -178,12 +177,12 @@ def test_pool_is_a_placement_group_holding_the_actors_and_released_with_them(pla
         assert list(groups) == ["pool-pg/pool-all"]
         table = placement_group_table(groups["pool-pg/pool-all"])
         assert table["state"] == "CREATED" and table["bundles"] == {0: {"CPU": 1.0}}
-        replicas = actors.start_rollouts(str(platform.assets.model))
+        replicas = actors.rollout.start(str(platform.assets.model))
         assert ray_driver.get([a.policy_version.remote() for a in replicas]) == [0, 0]
         assert actors.plan.colocated and [actors.plan.slot("rollout", r).cpus for r in (0, 1)] == [0.25, 0.25]
         # Colocated: a batch, then the engines asked to sleep (the HF engine's sleep frees
         # nothing on CPU) and woken up again: they still serve their version.
-        assert actors.generate(0, 0, PROMPTS, 0).num_samples == PROMPTS * N
+        assert actors.rollout.generate(0, 0, PROMPTS, 0).num_samples == PROMPTS * N
         assert ray_driver.get([a.sleep.remote() for a in replicas]) == [True, True]
         assert ray_driver.get([a.wake_up.remote() for a in replicas]) == [True, True]
         assert ray_driver.get([a.policy_version.remote() for a in replicas]) == [0, 0]

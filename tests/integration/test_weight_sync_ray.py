@@ -45,7 +45,7 @@ def run(platform, tmp_path_factory):
         actors.trainer.start(model)
         ranks = actors.trainer.ranks()
         ray.get([r.__ray_call__.remote(perturb, 7) for r in ranks])
-        rollouts = [actors.start_rollout(model), actors.create(RolloutWorker, Role.ROLLOUT, 1, 0.25, cfg, model, actors.run_uri)]
+        rollouts = [actors.rollout.start_one(model), actors.create(RolloutWorker, Role.ROLLOUT, 1, 0.25, cfg, model, actors.run_uri)]
         yield actors, ranks, rollouts
     finally:
         release_run_actors("ws-ray")

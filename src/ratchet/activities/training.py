@@ -93,8 +93,10 @@ def start_workers(inp: t.StartWorkersInput) -> t.StartWorkersOutput:
 @temporal_errors
 def generate(inp: t.RolloutInput) -> t.BatchRef:
     actors = actors_for(inp.run)
-    # Over the rollout replicas (workers/actors/rollout_pool.py); one replica: as before.
-    out = actors.generate(inp.batch_index, inp.prompt_start, inp.prompt_count, inp.policy_version, part=inp.part, exact=inp.exact_version)
+    # Over the rollout replicas (workers/actors/rollout_group.py); one replica: as before.
+    out = actors.rollout.generate(
+        inp.batch_index, inp.prompt_start, inp.prompt_count, inp.policy_version, part=inp.part, exact=inp.exact_version
+    )
     return _batch_ref(inp, out.uri, out)
 
 

@@ -233,7 +233,7 @@ class RolloutConfig(Section):
         ge=1,
         le=1024,
         description="Engine replicas (data parallel): a batch's prompts are spread over them by load, a "
-        "prompt's n samples on one replica; the batch is the same as one engine's (workers/actors/rollout_pool.py).",
+        "prompt's n samples on one replica; the batch is the same as one engine's (workers/actors/rollout_group.py).",
     )
     temperature: float = Field(
         1.0, gt=0, le=100, description="Sampling temperature; at most 100 (above ~10 sampling is already uniform noise)."

@@ -15,14 +15,14 @@ from . import recovery
 from .versions import found_or_rebuilt, holds_version
 
 if TYPE_CHECKING:
-    from .run_actors import RunActors
+    from .run_context import RunContext
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class CriticGroup:
-    actors: "RunActors"
+    actors: "RunContext"
 
     def start(self):
         cfg = self.actors.cfg
@@ -34,7 +34,7 @@ class CriticGroup:
         return found_or_rebuilt(
             self.actors.run_id, Role.CRITIC, self.actors.waiter, self.actors.find(Role.CRITIC), lambda: self.actors.find(Role.CRITIC),
             lambda actor, first: self._holds(actor, expected_version, retrying_update, log_mismatch=first),
-            lambda: recovery.restore_critic(self.actors, expected_version),
+            lambda: recovery.restore_critic(self.actors, self, expected_version),
         )  # fmt: skip
 
     def _holds(self, actor, expected_version: int, retrying_update: bool, *, log_mismatch: bool = False) -> bool:

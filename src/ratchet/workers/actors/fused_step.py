@@ -69,16 +69,16 @@ def fused_step(actors: RunActors, req: StepRequest) -> StepDone:
         probe = actors.trainer.probe()  # answered while the batch generates
     scores, shares, stored = None, [], []
     replicas: list = []
-    pool = actors.rollout_pool()
+    pool = actors.rollout
     # A retried step whose update was made: the trainer reports (and stores) its batch.
     if not (req.retrying and actors.trainer.version(ranks) == version + 1):
-        # Over the rollout replicas (rollout_pool.py), kept in Ray's object store.
+        # Over the rollout replicas (rollout_group.py), kept in Ray's object store.
         shares = pool.generate_shares(
             req.batch_index, req.prompt_start, req.prompt_count, req.generation_version, part=req.part, exact=req.exact
         )  # fmt: skip
         scores, storing = actors.reward.score_shares(req.batch_index, shares)  # the reward worker stores the batch meanwhile
         stored.append(storing)
-        actors.sleep_rollouts()  # colocated: the engines give the trainer their memory
+        pool.sleep()  # colocated: the engines give the trainer their memory
         # Every replica generated: the sync goes to these (else it looks every replica up).
         replicas = pool.healthy if len(pool.healthy) == actors.cfg.rollout.replicas else []
     if probe is not None:

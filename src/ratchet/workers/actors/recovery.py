@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
-
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ratchet.errors import WorkerLost
 from ratchet.storage import CheckpointStore, CorruptCheckpoint, ObjectStore, RunLayout
@@ -22,20 +21,36 @@ from ratchet.storage import CheckpointStore, CorruptCheckpoint, ObjectStore, Run
 from .names import Role, kill_named
 
 if TYPE_CHECKING:
-    from .run_actors import RunActors
+    from .run_context import RunContext
 
 log = logging.getLogger(__name__)
 
 
-def restore_trainers(actors: RunActors, expected_version: int) -> list:
+class TrainerRanks(Protocol):
+    """The trainer group as a rebuild uses it (trainer_group.py)."""
+
+    def kill(self) -> None: ...
+
+    def start(self, policy_path: str) -> int: ...
+
+    def ranks(self) -> list: ...
+
+
+class CriticActor(Protocol):
+    """The critic group as a rebuild uses it (critic_group.py)."""
+
+    def start(self) -> Any: ...
+
+
+def restore_trainers(actors: RunContext, trainer: TrainerRanks, expected_version: int) -> list:
     """Fresh trainer ranks holding policy v`expected_version`; returns them. The ranks
     fetch the checkpoint from the object store themselves, each onto its own node
     (`TrainerWorker.restore_from_store`): nothing is downloaded here, and no rank reads a
     path on this process's host."""
     t0 = time.perf_counter()
-    actors.trainer.kill()  # a survivor of a broken process group cannot rejoin it
-    actors.trainer.start(actors.initial_policy())
-    ranks = actors.trainer.ranks()
+    trainer.kill()  # a survivor of a broken process group cannot rejoin it
+    trainer.start(actors.initial_policy())
+    ranks = trainer.ranks()
     store = ObjectStore(actors.run_uri)
     checkpoints = CheckpointStore(store)
     version, source = 0, "the initial policy"
@@ -70,7 +85,7 @@ def restore_trainers(actors: RunActors, expected_version: int) -> list:
     return ranks
 
 
-def _logged_updates(actors: RunActors, store: ObjectStore, start: int, end: int):
+def _logged_updates(actors: RunContext, store: ObjectStore, start: int, end: int):
     """(train log entry, version) of the updates v`start` .. v`end - 1`, reporting progress."""
     for v in range(start, end):
         try:
@@ -83,13 +98,13 @@ def _logged_updates(actors: RunActors, store: ObjectStore, start: int, end: int)
         actors.waiter.progress(f"replayed update v{v}")
 
 
-def restore_critic(actors: RunActors, expected_version: int):
+def restore_critic(actors: RunContext, critic_group: CriticActor, expected_version: int):
     """A fresh critic updated as often as policy v`expected_version`: the critic's files of
     the last good checkpoint at or before it (none: the initial critic), then the logged
     updates after it. Returns the actor."""
     t0 = time.perf_counter()
     kill_named([actors.name(Role.CRITIC)])
-    critic = actors.critic.start()
+    critic = critic_group.start()
     store = ObjectStore(actors.run_uri)
     checkpoints = CheckpointStore(store)
     version, source = 0, "the initial critic"

@@ -17,7 +17,7 @@ from .names import Role, kill_named
 from .waiting import WaitTimeout
 
 if TYPE_CHECKING:
-    from .run_actors import RunActors
+    from .run_context import RunContext
 
 # Reward workers (by actor id) this process saw constructed: scoring's time limit then
 # covers scoring only, and later calls skip asking again.
@@ -26,7 +26,7 @@ _CONSTRUCTED: set[str] = set()
 
 @dataclass
 class RewardGroup:
-    actors: "RunActors"
+    actors: "RunContext"
 
     def start(self, policy_path: str):
         """The reward worker (it needs the tokenizer of `policy_path`), not waited for."""

@@ -22,17 +22,16 @@ from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.placement_plan import PlacementPlan, plan_placement
 from ratchet.config.sync_transport import choose_transport
 from ratchet.config.schema import RunConfig
-from ratchet.errors import WorkerLost
 from ratchet.storage import ObjectStore, RunLayout
 
-from ..results import EvalBatchResult, GenerateResult, ScoreResult, TrainResult, WarmupResult
-from ..rollout import RolloutWorker
+from ..results import EvalBatchResult, ScoreResult, TrainResult, WarmupResult
 from ..weight_sync.ray_transport import published_sync
 from ..weight_sync.transport import relayed_sync
 from . import placement
-from .names import Role, actor_name, find_named, kill_named
+from .names import Role, actor_name, find_named
 from .release import release_run_actors
 from .critic_group import CriticGroup
+from .rollout_group import RolloutGroup
 from .reward_group import RewardGroup
 from .trainer_group import CheckpointTaken, TrainerGroup
 from .waiting import PlainWaiter, Waiter
@@ -69,6 +68,11 @@ class RunActors:
     def trainer(self) -> TrainerGroup:
         """The trainer ranks (trainer_group.py)."""
         return TrainerGroup(self)
+
+    @cached_property
+    def rollout(self) -> RolloutGroup:
+        """The rollout replicas (rollout_group.py)."""
+        return RolloutGroup(self, self.trainer)
 
     @cached_property
     def reward(self) -> RewardGroup:
@@ -112,7 +116,7 @@ class RunActors:
         rollout replicas, the reward worker and the critic are created first and load while
         the trainer ranks set up."""
         ready = [
-            *(a.policy_version.remote() for a in self.start_rollouts(policy_path)),
+            *(a.policy_version.remote() for a in self.rollout.start(policy_path)),
             self.reward.start(policy_path).__ray_ready__.remote(),
         ]
         if self.cfg.uses_critic:
@@ -128,7 +132,7 @@ class RunActors:
         self.shutdown(keep_admission=True)
         self.trainer.at_version(version)
         source = self.initial_policy()
-        self.wait([*(a.policy_version.remote() for a in self.start_rollouts(source)), self.reward.start(source).__ray_ready__.remote()])
+        self.wait([*(a.policy_version.remote() for a in self.rollout.start(source)), self.reward.start(source).__ray_ready__.remote()])
         if self.cfg.uses_critic:
             self.critic.at_version(version)
 
@@ -149,94 +153,13 @@ class RunActors:
     def evaluate(self, step: int, size: int, version: int) -> tuple[EvalBatchResult, ScoreResult]:
         """Greedy answers of rollout replica 0 (at `version` or newer) on the first `size`
         eval prompts, stored under `step`, and their scores."""
-        generated = self.wait(self.rollout(version).generate_eval.remote(step, size))
+        generated = self.wait(self.rollout.replica(version).generate_eval.remote(step, size))
         return generated, self.reward.score(step, RunLayout.EVALS)  # eval batches are stored by training step
 
     def checkpoint(self, step: int, run_state: dict, version: int) -> CheckpointTaken:
         """Checkpoint `step` of policy v`version` (trainer_group.py), the critic's state in it."""
         critic_state = self.critic.state(version) if self.cfg.uses_critic else None
         return self.trainer.checkpoint(step, run_state, version, critic_state)
-
-    # -- rollout and reward --------------------------------------------------------------
-
-    def start_rollout(self, policy_path: str, rank: int = 0):
-        """Rollout replica `rank` (rollout-<rank>; one replica: rollout-0, as always)."""
-        # Partial rollouts: a weight sync is received while a generation runs (a second thread).
-        concurrency = 2 if self.cfg.uses_partial_rollouts else 1
-        return self.create(
-            RolloutWorker, Role.ROLLOUT, rank, self.cfg.resources.rollout_cpus, self.cfg, policy_path, self.run_uri,
-            concurrency=concurrency,
-        )  # fmt: skip
-
-    def start_rollouts(self, policy_path: str) -> list:
-        """Every rollout replica (rollout.replicas of them)."""
-        return [self.start_rollout(policy_path, rank) for rank in range(self.cfg.rollout.replicas)]
-
-    def rollout(self, expected_version: int, *, exact: bool = False):
-        """Rollout replica 0 at `expected_version` or newer (a sync may land before the
-        workflow hears of it), or with `exact` at that version only; recreated and synced
-        if it was lost (evaluation; batches go through `generate`)."""
-        return self.rollouts(expected_version, exact=exact, ranks=[0])[0]
-
-    def rollouts(self, expected_version: int | None = None, *, exact: bool = False, ranks: list[int] | None = None) -> list:
-        """The live rollout replicas (all rollout.replicas of them, or `ranks`), a lost one
-        recreated. With `expected_version`, each brought to that version or newer (with
-        `exact`: that version) as `rollout` does; without, as they are: a recreated one
-        serves the initial policy until weights are loaded into it (what a weight sync does:
-        `sync_weights` loads every replica this returns). Colocated: woken up first."""
-        ranks = list(range(self.cfg.rollout.replicas)) if ranks is None else ranks
-        actors = [self._live_replica(r) for r in ranks]
-        probes = [a.policy_version.remote() for a in actors]
-        held = []
-        for i, rank in enumerate(ranks):
-            try:
-                held.append(self.wait(probes[i]))
-            except ray.exceptions.RayActorError:
-                # Killed just now: its name may still answer, its process does not.
-                log.warning("run %s: rollout replica %d died; recreating it", self.run_id, rank)
-                kill_named([self.name(Role.ROLLOUT, rank)])
-                actors[i] = self.start_rollout(self.initial_policy(), rank)
-                held.append(self.wait(actors[i].policy_version.remote()))
-        if self.hands_over:
-            self.wait([a.wake_up.remote() for a in actors])
-        if expected_version is not None:
-            self._bring_to(actors, held, expected_version, exact)
-        return actors
-
-    @property
-    def hands_over(self) -> bool:
-        """Whether the engines give the trainer their device memory between generating a
-        batch and the update: colocated, in sync mode. The async modes generate while the
-        trainer trains (a colocated GPU pool is refused for them at submit): put to sleep
-        there (a CPU pool of every role), an engine would first wait for the generation
-        in flight, and the batch's activity with it."""
-        return self.plan.colocated and self.cfg.loop.mode == "sync"
-
-    def sleep_rollouts(self) -> None:
-        """`hands_over`: the engines release their device memory for the trainer (nothing
-        on CPU); `rollouts` wakes them up again."""
-        if self.hands_over:
-            found = [self.find(Role.ROLLOUT, r) for r in range(self.cfg.rollout.replicas)]
-            self.wait([a.sleep.remote() for a in found if a is not None])
-
-    def generate(
-        self, batch_index: int, prompt_start: int, prompt_count: int, policy_version: int, *, part: int = 0, exact: bool = False
-    ) -> GenerateResult:
-        """Generate and store rollout part `part` of batch `batch_index` on the rollout
-        replicas (rollout_pool.py: split by load, whole groups per replica, a lost replica's
-        share redone): the batch one replica would have stored."""
-        from .rollout_pool import RolloutPool
-
-        return RolloutPool(self).generate(batch_index, prompt_start, prompt_count, policy_version, part=part, exact=exact)
-
-    def rollout_pool(self):
-        """The rollout replicas as one pool (rollout_pool.py). Its `generate_shares` gives a
-        batch generated over them but not stored (ObjectRefs of `RolloutShare`s in batch
-        order, to hand on in memory; colocated: call `sleep_rollouts` before the trainer
-        runs); after it, `.healthy` holds the replicas that generated it."""
-        from .rollout_pool import RolloutPool
-
-        return RolloutPool(self)
 
     def start_lost(self) -> None:
         """Start the rollout replicas and the reward worker that are gone, without waiting
@@ -246,42 +169,10 @@ class RunActors:
         engine would take device memory the trainer rebuilds in."""
         if self.plan.colocated:
             return
-        for rank in range(self.cfg.rollout.replicas):
-            self._live_replica(rank)
+        self.rollout.start_lost()
         if self.find(Role.REWARD) is None:
             log.warning("run %s: the reward worker is gone; recreating it", self.run_id)
             self.reward.start(self.initial_policy())
-
-    def _live_replica(self, rank: int):
-        actor = self.find(Role.ROLLOUT, rank)
-        if actor is None:
-            log.warning("run %s: rollout replica %d lost; recreating it", self.run_id, rank)
-            actor = self.start_rollout(self.initial_policy(), rank)
-        return actor
-
-    def _bring_to(self, actors: list, held: list[int], expected_version: int, exact: bool) -> None:
-        """Load the replicas `actors` (holding `held`) with v`expected_version` (exact) or
-        newer; the trainer's weights are gathered once for all that need them."""
-        # Through the object store whatever the placement: a rebuilt replica's one-off load.
-        object_store = WEIGHT_TRANSPORTS.get("object_store")
-        if exact:
-            # A deterministic run: the version its schedule names, from the policy log, or
-            # from the trainer if it holds that version now.
-            stale = [a for a, v in zip(actors, held) if v != expected_version]
-            logged = self.wait([a.serve_logged.remote(expected_version) for a in stale]) if stale else []
-            stale = [a for a, ok in zip(stale, logged) if not ok]
-            if stale:
-                pushed = relayed_sync(object_store, self.trainer.at_version(expected_version, at_least=True), stale, self.wait).version
-                if pushed != expected_version:
-                    raise WorkerLost(
-                        f"run {self.run_id}: policy v{expected_version} is not in the policy log and the trainer holds v{pushed}"
-                    )
-            return
-        # A recreated replica serves v0: bring it to what the trainer holds now, which in
-        # fully_async may be newer than this batch asked for (the batch records it).
-        stale = [a for a, v in zip(actors, held) if v < expected_version]
-        if stale:
-            relayed_sync(object_store, self.trainer.at_version(expected_version, at_least=True), stale, self.wait)
 
     def sync_weights(self, version: int, *, ranks: list | None = None, targets: list | None = None) -> "SyncResult":
         """Trainer weights (v`version`, or newer when fully_async trains on meanwhile) -> every
@@ -296,7 +187,7 @@ class RunActors:
         # Every rollout replica, all to one version: the live ones, a lost one recreated
         # (colocated engines woken up); one replica: [rollout-0].
         if targets is None or self.plan.colocated:
-            targets = self.rollouts()
+            targets = self.rollout.replicas()
         if self.cfg.uses_partial_rollouts:
             # A sync overlapping the next update: the buckets rank 0 published after its
             # last one, read without queueing behind the update running now.

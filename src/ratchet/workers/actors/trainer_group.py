@@ -28,7 +28,7 @@ from .versions import found_or_rebuilt, holds_version
 from .waiting import WaitTimeout
 
 if TYPE_CHECKING:
-    from .run_actors import RunActors
+    from .run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class CheckpointTaken:
 
 @dataclass
 class TrainerGroup:
-    actors: "RunActors"
+    actors: "RunContext"
 
     # -- creation and health --------------------------------------------------------------
 
@@ -139,7 +139,7 @@ class TrainerGroup:
         return found_or_rebuilt(
             self.actors.run_id, Role.TRAINER, self.actors.waiter, ranks, self.ranks,
             lambda found, first: self._hold(found, expected_version, retrying_update, at_least, log_mismatch=first, held=held if first else None),
-            lambda: recovery.restore_trainers(self.actors, expected_version),
+            lambda: recovery.restore_trainers(self.actors, self, expected_version),
         )  # fmt: skip
 
     def _hold(
