@@ -105,9 +105,9 @@ class BenchTrainer(TrainerWorker):
         )  # fmt: skip
         self.rank, self.world_size = 0, 1
         self.trainer = SimpleNamespace(model=build_model(config, seed=1), version=1)
-        from ratchet.workers.weight_sync.protocol import RelayRegistry
+        from ratchet.workers.weight_sync.sender import WeightSender
 
-        self._relays = RelayRegistry()
+        self.weights = WeightSender(self.cfg, 0, 1, lambda: self.trainer)
         self.rss = PeakRss()
 
     def set_bucket_mb(self, bucket_mb: float) -> None:

@@ -41,7 +41,8 @@ SMOKE = {
     "startup": ["start-up: submit to the first step", "start_workers", "total: submit to the first metrics line"],
     "step_overhead": ["seconds per GRPO step", "plain loop (in-process), before", "ratchet (workflow + Ray)"],
     "temporal_exit": ["crashes at exit", "SDK client alone", "SDK client, ratchet's exit guard", "ratchet.Client"],
-    "weight_sync": ["weight sync trainer -> engine", "4"],
+    # (Its numbers are timings and sizes; the window bound is tests/unit/test_weight_sync.py's.)
+    "weight_sync": ["weight sync trainer -> engine", "most buckets held by rank 0"],
 }
 
 # script -> the test that runs it (at its own small sizes), so it needs no smoke mode here.

@@ -184,7 +184,7 @@ def test_cuda_ipc_sync_through_the_actors_with_shared_memory_standing_in(run, th
 
     replicas = [run.replica(), run.replica()]
     weights = new_policy(run.trainer, seed=1)
-    _, manifest = run.trainer._sync_plan()
+    _, manifest = run.trainer.weights.plan()
     result = relayed_sync(CUDA_IPC, [Direct(run.trainer, threads)], [Direct(r, threads) for r in replicas], wait, serving=[0, 0])
     assert result.transport == "cuda_ipc" and result.replicas == 2 and result.version == run.trainer.trainer.version
     assert result.buckets == len(manifest.buckets) > 5
@@ -228,7 +228,7 @@ def test_nccl_sync_through_the_actors_with_gloo_standing_in(run, threads):
     weights = new_policy(run.trainer, seed=2)
     result = relayed_sync(NCCL, [rank0], replicas, wait, sync_id=uuid.uuid4().hex)
     assert result.transport == "nccl" and result.replicas == 2 and result.buckets > 5
-    _, manifest = run.trainer._sync_plan()
+    _, manifest = run.trainer.weights.plan()
     assert result.bytes == 2 * manifest.total_bytes
     for r in replicas:
         assert_serves(r.obj, weights, result.version)

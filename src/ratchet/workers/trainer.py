@@ -12,51 +12,44 @@ rank's upload is done, commits the manifest last (storage/checkpoint_store.py). 
 has every rank fetch the state from the object store itself (`restore_from_store`), so no
 rank needs a disk shared with another, or with the node that wrote the checkpoint.
 
-Long (over 500 lines) but one job: the Ray-facing methods of one rank. The work behind
-them lives elsewhere (policy_update.py, checkpointing.py, weight_sync/); what stays here is
-the ordering between them on a rank's threads, which is clearest in one place.
+The actor shell of one rank: its Ray-facing methods, set-up (the process group, the
+policy), the update with its retry cache (a retried activity's update answered, not made
+twice). The jobs behind it are objects of their own: the update itself
+(policy_update.py), the checkpoints, restores and export (rank_checkpoints.py), and the
+sending side of every weight sync (weight_sync/sender.py), whose receivers call the
+`sync_*` methods here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import ray
 
-from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
-from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
+from ratchet.storage import BatchStore, ObjectStore, RunLayout
 from ratchet.start_up_gc import during_start_up
 
 from .background import BackgroundCall
 from .batch import HandedStep, HandedSummary, ScoredStep, StepScores, load_step
 from .columns import Fields, Parts
-from .hf_io import local_hf_path, upload_hf_folder, write_hf_folder
-from .local_paths import restore_dir, staging_dir
-from .lora import adapter_state, sync_view, write_adapter_folder
-from .policy_update import PolicyTrainer, check_finite_weights
+from .hf_io import local_hf_path
+from .policy_update import PolicyTrainer
+from .rank_checkpoints import RankCheckpoints
 from .results import CheckpointOutcome, CheckpointStarted, SetupInfo, TrainResult, WarmupResult
 from .runtime import configure_worker_process, free_port, node_address
-from .weight_sync.protocol import SYNC_GROUP, SYNC_GROUP_THREADS, RelayRegistry, StreamReport
+from .weight_sync.protocol import SYNC_GROUP, SYNC_GROUP_THREADS, StreamReport
 from .weight_sync.ray_transport import PublishedSource
-from .weight_sync.relay import BucketRelay
-from .weight_sync.trainer_side import check_finite_shards, gather_and_offer, sync_plan
+from .weight_sync.sender import WeightSender
 
 if TYPE_CHECKING:
     from .checkpointing import StoreRestore
-    from .weight_sync.device_sync import EngineGroup
 
 log = logging.getLogger(__name__)
-# Building a Hugging Face model for an export: one thread of the process at a time (_write_hf).
-_HF_BUILD_LOCK = threading.Lock()
 
 
 class TrainerWorker:
@@ -74,17 +67,11 @@ class TrainerWorker:
         self.run_uri = run_uri
         self.run = ObjectStore(run_uri)
         self.trainer: PolicyTrainer | None = None
+        # The retry cache: a retried activity's update answered, not made twice.
         self._last: tuple | None = None  # ((batch index, version it trained), StepResult) of the latest update
-        self._checkpointing: threading.Thread | None = None  # the background write and upload
-        # (version, its buckets in the object store) after each update, on rank 0, when syncs
-        # overlap updates (partial rollouts): a sync need not wait for the update in flight.
-        self._published: tuple[int, PublishedSource] | None = None
-        self._relays = RelayRegistry()  # a rank with receivers: the syncs it serves
-        self.engine_group: EngineGroup | None = None  # rank 0: its membership of the NCCL transport's engine group
-        # The outcome of the latest checkpoint (None: committed or none yet), kept until a
-        # later checkpoint replaces it, so a failed upload is always reported.
-        self._checkpoint_error: str | None = None
-        self._checkpoint_request: tuple | None = None  # (step, run_state, extra files, version) of the latest
+        self._handed: tuple[tuple[int, int], HandedStep] | None = None  # the batch handed in memory for it (train_handed)
+        self.weights = WeightSender(cfg, rank, world_size, lambda: self.policy)  # weight_sync/sender.py
+        self.checkpoints = RankCheckpoints(cfg, rank, world_size, self.run, lambda: self.policy, lambda: self.policy_path, self.restore)
         self._num_parameters = 0
         self.process_group_inits = 0  # init_process_group calls in this actor (once, or a retry broke it)
 
@@ -173,99 +160,47 @@ class TrainerWorker:
         """The version held; -1 before `setup` finished (a half-built rank is rebuilt)."""
         return self.trainer.version if self.trainer is not None else -1
 
-    def _sync_plan(self):
-        t = self.trainer
-        # sync_view: with LoRA, base + adapter merged under the base model's names (workers/lora.py).
-        return sync_plan(
-            sync_view(t.model), engine_dtype=self.cfg.model.dtype, bucket_mb=self.cfg.trainer.sync_bucket_mb, version=t.version
-        )
-
-    def _publish(self) -> None:
-        """Put this version's buckets into the object store (rank 0; every rank gathers)."""
-        source = self._put_buckets(*self._sync_plan())
-        if source is not None:
-            self._published = (self.policy.version, source)
-
-    def _put_buckets(self, entries, manifest) -> PublishedSource | None:
-        """Every bucket of `manifest` into the object store, once the weights are checked
-        finite; the source on rank 0, None on the others (they only join the gathers)."""
-        check_finite_shards(entries, f"the weights of policy v{self.policy.version} (to be synced)", self.world_size)
-        refs: list = []
-        put = refs.append if self.rank == 0 and ray.is_initialized() else None
-        gather_and_offer(entries, manifest, (lambda b: put(ray.put(b))) if put else None)
-        return PublishedSource(manifest, refs) if put else None
+    # -- weight sync (weight_sync/sender.py; the driver and the table of transports:
+    # weight_sync/transport.py). The receivers call the `sync_*` methods.
 
     @ray.method(concurrency_group="published")
     def published_weights(self) -> tuple[int, PublishedSource] | None:
         """The latest published (version, its buckets as a weight source), or None."""
-        return self._published
-
-    # -- weight sync (weight_sync/transport.py: the driver, and the table of transports) ---
+        return self.weights.published
 
     def send_weights(self, sync_id: str, transport: str, consumers: int) -> StreamReport:
-        """Gather the weights bucket by bucket (every rank: the gathers are collectives) and
-        send them by `transport` (catalog/weight_transports.py) to the `consumers` rollout
-        replicas this rank serves (0: it only joins the gathers). Non-finite weights are
-        refused before the first bucket leaves."""
-        way = WEIGHT_TRANSPORTS.get(transport)
-        relay = way.open_relay(self, consumers) if consumers > 0 else None
-        return self._sync_frame(sync_id, relay, lambda entries, manifest: way.send(self, entries, manifest, relay))
+        """Send the weights by `transport` to the `consumers` rollout replicas this rank
+        serves (0: it only joins the gathers, which are collectives)."""
+        return self.weights.send(sync_id, transport, consumers)
 
     @ray.method(concurrency_group=SYNC_GROUP)
     def sync_manifest(self, sync_id: str):
-        return self._relays.get(sync_id).manifest()
+        return self.weights.relays.get(sync_id).manifest()
 
     @ray.method(concurrency_group=SYNC_GROUP)
     def sync_take(self, sync_id: str, consumer: int, index: int):
         """Bucket `index` as the transport hands it (an ObjectRef, an IPC handle, a ready
         signal; None past the last); the receiver is done with the ones before it."""
-        return self._relays.get(sync_id).take(consumer, index)
+        return self.weights.relays.get(sync_id).take(consumer, index)
 
     @ray.method(concurrency_group=SYNC_GROUP)
     def sync_leave(self, sync_id: str, consumer: int, error: str | None = None) -> None:
         if error:
             log.warning("weight sync %s: receiver %d stopped: %s", sync_id, consumer, error)
-        self._relays.get(sync_id, timeout_s=0).leave(consumer)
+        self.weights.relays.get(sync_id, timeout_s=0).leave(consumer)
 
     @ray.method(concurrency_group=SYNC_GROUP)
     def sync_abort(self, sync_id: str, reason: str) -> None:
-        self._relays.get(sync_id, timeout_s=0).fail(reason)
+        self.weights.relays.get(sync_id, timeout_s=0).fail(reason)
 
     def sync_device(self):
-        """The device this rank's weights (and so its shared buckets) are on."""
-        return next(self.policy.model.parameters()).device
-
-    def _sync_frame(self, sync_id: str, relay: BucketRelay | None, send) -> StreamReport:
-        """Plan, check finiteness, then `send(entries, manifest)` -> (bytes, failure): the
-        frame every transport shares."""
-        t0 = time.perf_counter()
-        if relay is not None:
-            self._relays.open(sync_id, relay)
-        try:
-            entries, manifest = self._sync_plan()
-            check_finite_shards(entries, f"the weights of policy v{self.policy.version} (to be synced)", self.world_size)
-        except Exception as e:
-            if relay is not None:
-                relay.fail(f"{type(e).__name__}: {e}")
-            raise
-        if relay is not None:
-            relay.start(manifest)
-        sent, failure = send(entries, manifest)
-        if failure is not None:
-            raise failure
-        return StreamReport(
-            version=manifest.version,
-            bytes=sent,
-            buckets=len(manifest.buckets),
-            seconds=time.perf_counter() - t0,
-            window_peak=relay.peak_stored if relay is not None else 0,
-        )
+        return self.weights.sync_device()
 
     # -- the NCCL transport's engine group (weight_sync/device_sync.py) -------------------
 
     def engine_group_key(self) -> str | None:
         """The membership this rank's engine group was made for (None: none)."""
-        return self.engine_group.key if self.engine_group is not None else None
+        return self.weights.engine_group.key if self.weights.engine_group is not None else None
 
     def engine_group_address(self) -> tuple[str, int]:
         """(host, port) for the engine group's TCPStore, which rank 0 hosts on its node."""
@@ -273,15 +208,9 @@ class TrainerWorker:
         return host, free_port(host)
 
     def join_engine_group(self, key: str, host: str, port: int, rank: int, world_size: int) -> str:
-        """Rank 0 joins (hosts) the engine group for membership `key`; an older group is
-        dropped (a member was recreated)."""
-        from .weight_sync.device_sync import join_engine_group
+        return self.weights.join_engine_group(key, host, port, rank, world_size)
 
-        if self.rank != 0 or rank != 0:
-            raise ValueError(f"only trainer rank 0 is member 0 of the engine group (this is rank {self.rank}, asked to be {rank})")
-        self.engine_group = None
-        self.engine_group = join_engine_group(key, host, port, 0, world_size)
-        return key
+    # -- the update ------------------------------------------------------------------------
 
     def train(
         self, batch_index: int, policy_version: int, kl_coef: float, parts: int = 1, optimizer: dict | None = None,
@@ -322,7 +251,7 @@ class TrainerWorker:
                 self.policy.cfg = self.cfg
             self._last = ((batch_index, policy_version), result)
             if self.cfg.uses_partial_rollouts:
-                self._publish()
+                self.weights.publish()
         if self.rank == 0:
             log_entry = {
                 "batch": batch_index, "parts": parts, "kl_coef": kl_coef, "optimizer": hyper, "live": dict(live or {}),
@@ -342,9 +271,6 @@ class TrainerWorker:
         return TrainResult(
             policy_version=self.policy.version, metrics=result.metrics, kl_coef=result.kl_coef, safe_lambda=result.safe_lambda
         )
-
-    # A batch handed over in memory (train_handed), kept with the update it went into.
-    _handed: tuple[tuple[int, int], HandedStep] | None = None
 
     def train_handed(
         self, batch_index: int, policy_version: int, kl_coef: float, scores: StepScores | None = None, *shares,
@@ -380,7 +306,7 @@ class TrainerWorker:
             )
             self._handed = (key, step)
             # The update's log is written while the new weights are put out for the sync.
-            published = self._one_bucket() if publish else None
+            published = self.weights.one_bucket() if publish else None
         finally:
             for w in writes:
                 w.join()
@@ -389,221 +315,27 @@ class TrainerWorker:
                 raise w.error
         return result, step.summary(), published
 
-    def _one_bucket(self) -> PublishedSource | None:
-        """The weights as one published bucket (rank 0; every rank gathers), or None when
-        they need more than one (`sync_weights` then streams them)."""
-        entries, manifest = self._sync_plan()
-        if len(manifest.buckets) != 1:
-            return None
-        return self._put_buckets(entries, manifest)
-
-    # -- checkpoints -----------------------------------------------------------------------
+    # -- checkpoints (rank_checkpoints.py) --------------------------------------------------
 
     def start_checkpoint(
         self, step: int, run_state: dict, extra_files: dict[str, bytes] | None = None, foreground: bool = False
     ) -> CheckpointStarted:
         """Snapshot the state (the only stall), then write, export and upload it in the
-        background (with `foreground`, before returning; its error, if any, is returned).
-        Every rank calls (the snapshot and the write are collectives); rank 0 adds
-        `extra_files` (relative path -> bytes: the critic's state) to the checkpoint. The
-        caller reads the previous checkpoint's outcome first (`wait_checkpoint`): this
-        one replaces it."""
-        from .checkpointing import snapshot
-
-        waited = self.wait_checkpoint().seconds  # one checkpoint in flight at a time
-        t0 = time.perf_counter()
-        name = RunLayout.checkpoint_name(step)
-        meta = {"step": step, "policy_version": self.policy.version, "world_size": self.world_size}
-        # For the HF export; with LoRA the adapter alone (the base stays where it is: workers/lora.py).
-        full = {
-            k: v.clone()
-            for k, v in (adapter_state(self.policy.model) if getattr(self.trainer, "lora", None) else self.policy.full_state()).items()
-        }
-        # Every rank holds the full weights here, so every rank refuses alike.
-        check_finite_weights(full, f"the weights of policy v{self.policy.version} (checkpoint {name})")
-        snap = snapshot(self.policy, meta)
-        stall = time.perf_counter() - t0
-        self._checkpoint_request = (step, run_state, extra_files or {}, self.policy.version)
-        args = (snap, full if self.rank == 0 else None, name, meta, run_state, extra_files or {})
-        self._checkpoint_error = None
-        if foreground:
-            self._write_checkpoint(*args)
-        else:
-            self._checkpointing = threading.Thread(target=self._write_checkpoint, args=args, daemon=True)
-            self._checkpointing.start()
-        return CheckpointStarted(
-            name=name,
-            stall_seconds=stall,
-            waited_seconds=waited,
-            policy_version=self.policy.version,
-            error=self._checkpoint_error if foreground else None,
-        )
+        background (with `foreground`, before returning). Every rank calls."""
+        return self.checkpoints.start(step, run_state, extra_files, foreground)
 
     def redo_checkpoint(self) -> CheckpointOutcome:
-        """Take the latest checkpoint again, in the foreground, if it failed on any rank
-        (every rank calls; the write is a collective) and the trainer still holds its
-        version. Returns its error (None: committed) and whether a redo was impossible."""
-        self.wait_checkpoint()
-        if self._checkpoint_request is None:
-            return CheckpointOutcome(error=None)
-        step, run_state, extra_files, version = self._checkpoint_request
-        if self.policy.version != version:
-            return CheckpointOutcome(
-                error=f"checkpoint {RunLayout.checkpoint_name(step)} failed ({self._checkpoint_error}) and cannot be taken again: "
-                f"the trainer has trained on from v{version} to v{self.policy.version}",
-                impossible=True,
-            )
-        return CheckpointOutcome(error=self.start_checkpoint(step, run_state, extra_files, foreground=True).error)
-
-    def _write_checkpoint(self, snap, full_state, name: str, meta: dict, run_state: dict, extra_files: dict[str, bytes]) -> None:
-        """Every rank writes its shard into a staging folder of its own (on its own node)
-        and uploads it; rank 0 also writes the meta file, the Hugging Face export, the run
-        state and `extra_files`. Once every rank's upload is done (the ranks tell each
-        other, a collective), rank 0 commits the manifest listing every rank's files. No
-        rank needs another's disk. A failure on any rank before that is kept on every rank
-        (whichever rank is asked reports it) and nothing is committed; a failed commit is
-        kept on rank 0."""
-        from .checkpointing import all_ranks, write_snapshot
-
-        local = staging_dir(self._run_id, name, self.rank)
-        ckpts = CheckpointStore(self.run)
-        failure: list[str] = []  # this rank's first failure
-
-        def attempt(what, *, collective: bool = False):
-            # A local step is skipped after a failure; a collective is taken part in even
-            # then, or the other ranks would wait in it for ever.
-            if failure and not collective:
-                return None
-            try:
-                return what()
-            except Exception as e:  # noqa: BLE001 - kept, and reported by the next wait_checkpoint
-                log.exception("checkpoint %s failed on trainer rank %d", name, self.rank)
-                failure.append(f"checkpoint {name} failed on trainer rank {self.rank}: {type(e).__name__}: {e}")
-                return None
-
-        try:
-            # Rank 0 picks where this attempt writes (a committed checkpoint of this name,
-            # from an earlier try, stays whole until the new manifest replaces it), and
-            # every rank learns it before uploading a byte.
-            begun = attempt(lambda: ckpts.begin(name)) if self.rank == 0 else None
-            attempt(lambda: write_snapshot(snap, local / RunLayout.TRAINER_STATE), collective=True)
-            if self.rank == 0:
-                attempt(lambda: self._write_rank0_files(local, full_state, run_state, extra_files))
-            told = attempt(lambda: all_ranks(begun, snap.world_size, snap.process_group), collective=True)
-            folder = told[0] if told else None  # None: rank 0 failed to begin, and reports it
-            files = (attempt(lambda: ckpts.upload(name, local, folder)) if folder is not None else None) or {}
-            outcomes = attempt(
-                lambda: all_ranks((failure[0] if failure else None, files), snap.world_size, snap.process_group), collective=True
-            )
-            if outcomes is None:  # the exchange itself failed: the ranks cannot agree on anything
-                self._checkpoint_error = "; ".join(failure)
-                return
-            errors = list(dict.fromkeys(e for e, _ in outcomes if e))
-            if errors:
-                self._checkpoint_error = "; ".join(errors)
-                return
-            if self.rank == 0:
-                attempt(lambda: self._seal(ckpts, name, [f for _, f in outcomes], meta, folder or ""))
-                self._checkpoint_error = failure[0] if failure else None
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-            try:
-                local.parent.rmdir()  # the checkpoint's folder, once no rank of this node has one in it
-            except OSError:
-                pass
-
-    @property
-    def _run_id(self) -> str:
-        return self.run.root.rpartition("/")[2]
-
-    def _write_rank0_files(self, local: Path, full_state: dict, run_state: dict, extra_files: dict[str, bytes]) -> None:
-        if getattr(self.trainer, "lora", None) is not None:  # peft's adapter folder, naming the base it needs
-            write_adapter_folder(self.policy.model, full_state, local / RunLayout.CHECKPOINT_HF)
-        else:
-            self._write_hf(full_state, local / RunLayout.CHECKPOINT_HF)  # committed by the checkpoint's manifest
-        (local / RunLayout.RUN_STATE).write_text(json.dumps(run_state, sort_keys=True))
-        for rel, data in extra_files.items():
-            (local / rel).parent.mkdir(parents=True, exist_ok=True)
-            (local / rel).write_bytes(data)
-
-    def _seal(self, ckpts: CheckpointStore, name: str, uploads: list[dict], meta: dict, folder: str) -> None:
-        """Rank 0: the manifest over every rank's uploaded files (a name uploaded by two
-        ranks would be a bug: refused; stored bytes other than those sent: SealMismatch,
-        nothing committed, and the checkpoint is taken again), then retention, whose
-        errors are warnings: the checkpoint is committed whatever retention does."""
-        files: dict = {}
-        for rank, uploaded in enumerate(uploads):
-            twice = sorted(set(files) & set(uploaded))
-            if twice:
-                raise RuntimeError(f"checkpoint {name}: trainer rank {rank} uploaded files another rank did too: {twice[:3]}")
-            files.update(uploaded)
-        ckpts.seal(name, files, meta, folder)
-        c = self.cfg.checkpoint
-        try:
-            ckpts.apply_retention(keep_last=c.keep_last, keep_every=c.keep_every)
-        except Exception as e:  # noqa: BLE001 - housekeeping; the next checkpoint's retention tries again
-            log.warning("checkpoint %s is committed; retention of older checkpoints failed: %s: %s", name, type(e).__name__, e)
-
-    def _write_hf(self, state: dict, out: Path) -> None:
-        """The policy with weights `state` as a Hugging Face folder (safetensors) in `out`,
-        loadable by from_pretrained and vLLM: the one export, for checkpoints and `export`."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        # One at a time per process: the background checkpoint thread and `export` may both
-        # get here, and from_pretrained's empty-weights init is process-wide state (a model
-        # built while another thread is inside it can keep meta tensors).
-        with _HF_BUILD_LOCK:
-            model = AutoModelForCausalLM.from_pretrained(self.policy_path)
-            model.load_state_dict(state, strict=False)
-            write_hf_folder(model, AutoTokenizer.from_pretrained(self.policy_path), out)
+        """Take the latest checkpoint again if it failed on any rank (every rank calls)."""
+        return self.checkpoints.redo()
 
     def wait_checkpoint(self) -> CheckpointOutcome:
-        """Wait for the checkpoint in flight (if any) to be committed; the latest
-        checkpoint's error, if it failed (it stays until another checkpoint is taken)."""
-        t0 = time.perf_counter()
-        if self._checkpointing is not None:
-            self._checkpointing.join()
-            self._checkpointing = None
-        return CheckpointOutcome(error=self._checkpoint_error, seconds=time.perf_counter() - t0)
+        """The latest checkpoint's outcome, once it is committed or failed."""
+        return self.checkpoints.wait()
 
     def restore_from_store(self, name: str) -> StoreRestore:
         """Load checkpoint `name`'s trainer state from the run's object store (every rank
-        calls; a collective). Each rank downloads the checkpoint's `trainer/` files (every
-        rank's shards: a load may reshard, and reads them all) into a private folder on
-        its own node, checked against the manifest, loads and removes it: nothing on the
-        disk of the node that wrote the checkpoint, or of the caller, is needed.
-
-        If any rank found a file that does not match the manifest, no rank loads and every
-        rank returns the problems (the caller tries an older checkpoint). Any other
-        failure of a rank fails the call on every rank."""
-        from ratchet.storage import CorruptCheckpoint
-
-        from .checkpointing import StoreRestore, all_ranks
-
-        self.wait_checkpoint()  # its collectives run on the group the restore uses
-        folder = restore_dir(self._run_id)
-        try:
-            problems: list[str] = []
-            failed: BaseException | None = None
-            try:
-                CheckpointStore(self.run).download(name, folder, under=RunLayout.TRAINER_STATE)
-            except CorruptCheckpoint as e:
-                problems = [f"{p} (trainer rank {self.rank})" for p in e.problems]
-            except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised
-                failed = e
-            told = f"{type(failed).__name__}: {failed}" if failed is not None else None
-            outcomes = all_ranks((problems, told), self.world_size)
-            if failed is not None:
-                raise failed
-            others = [f"trainer rank {r}: {t}" for r, (_, t) in enumerate(outcomes) if t]
-            if others:
-                raise RuntimeError(f"restoring checkpoint {name} failed on {'; '.join(others)}")
-            found = [p for ps, _ in outcomes for p in ps]
-            if found:
-                return StoreRestore(name, None, tuple(found))
-            return StoreRestore(name, self.restore(str(folder)))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        calls; a collective)."""
+        return self.checkpoints.restore_from_store(name)
 
     def restore(self, local_dir: str) -> int:
         """Load a downloaded checkpoint's trainer state (any world size; every rank calls, a
@@ -613,16 +345,10 @@ class TrainerWorker:
 
         load_trainer_state(self.policy, Path(local_dir) / RunLayout.TRAINER_STATE)
         self._last = None  # a retry cache of the replaced state must not answer for the new one
-        self._published = None
+        self.weights.published = None
         return self.policy.version
 
     def export(self, key: str) -> str | None:
-        """Save the policy in Hugging Face format under the run folder, its manifest last
-        (every rank calls: unsharding is a collective; rank 0 writes)."""
-        state = self.policy.full_state()
-        check_finite_weights(state, f"the weights of policy v{self.policy.version} (export to {key})")
-        if self.rank != 0:
-            return None
-        with tempfile.TemporaryDirectory(prefix="ratchet-hf-") as tmp:
-            self._write_hf(state, Path(tmp))
-            return upload_hf_folder(Path(tmp), self.run, key)
+        """Save the policy in Hugging Face format under the run folder (every rank calls:
+        unsharding is a collective; rank 0 writes)."""
+        return self.checkpoints.export(key)
