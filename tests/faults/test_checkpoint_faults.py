@@ -312,7 +312,8 @@ def test_registry_rebuild_skips_torn_lines_and_bad_runs(tmp_path):
 def test_a_short_weight_stream_is_neither_served_nor_logged_and_leaves_no_temp(tiny_model, tmp_path, monkeypatch):
     from ratchet.config.schema import RunConfig
     from ratchet.tasks.generate import write_task_parquet
-    from ratchet.workers.rollout import TORN_VERSION, RolloutWorker
+    from ratchet.workers.rollout import RolloutWorker
+    from ratchet.workers.weight_slot import TORN_VERSION
     from ratchet.workers.weight_sync.sources import BucketListSource
     from ratchet.workers.weight_sync.buckets import WeightBucket, mapping_manifest
 

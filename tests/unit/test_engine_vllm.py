@@ -319,8 +319,8 @@ def test_rollout_worker_takes_a_sync_inside_a_vllm_generation(worker, original):
     import threading
     import time
 
-    assert worker.partial
-    swap, calls, done = worker._swap, [], {}
+    assert worker.slot.partial
+    swap, calls, done = worker.slot._swap, [], {}
     new = perturbed(original, seed=3)
 
     def sync():
@@ -332,15 +332,15 @@ def test_rollout_worker_takes_a_sync_inside_a_vllm_generation(worker, original):
             t = threading.Thread(target=sync)
             t.start()
             deadline = time.monotonic() + 10
-            while worker._pending is None and time.monotonic() < deadline:
+            while worker.slot.pending is None and time.monotonic() < deadline:
                 time.sleep(0.001)
         return swap()
 
-    worker._swap = swap_with_sync_arriving
+    worker.slot._swap = swap_with_sync_arriving
     try:
         out = worker.generate(batch_index=0, prompt_start=0, prompt_count=2, policy_version=0)
     finally:
-        worker._swap = swap
+        worker.slot._swap = swap
     assert out.policy_version == 0 and done["bytes"] == sum(v.nbytes for v in new.values()) and worker.version == 1
     batch = RolloutBatch.load(BatchStore(worker.run), 0)
     assert len(batch) == 8 and int(batch.response_mask.sum()) == out.num_response_tokens > 0

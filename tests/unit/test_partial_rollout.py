@@ -88,9 +88,9 @@ def test_rollout_worker_takes_a_sync_inside_a_generation(tiny_model, copy_data, 
     """A `load_weights` from another thread lands at the next decode step; the batch then
     holds tokens of both versions, oldest first, and the call returns once they serve."""
     worker = RolloutWorker(make_cfg(tiny_model, copy_data, tmp_path), str(tiny_model), str(tmp_path))
-    assert worker.partial
+    assert worker.slot.partial
     new = other_weights(worker.engine, 1)
-    swap, calls, done = worker._swap, [], {}
+    swap, calls, done = worker.slot._swap, [], {}
 
     def sync():
         done["bytes"] = worker.load_weights(new, 1)
@@ -102,12 +102,12 @@ def test_rollout_worker_takes_a_sync_inside_a_generation(tiny_model, copy_data, 
             t = threading.Thread(target=sync)
             t.start()
             deadline = time.monotonic() + 10
-            while worker._pending is None and time.monotonic() < deadline:
+            while worker.slot.pending is None and time.monotonic() < deadline:
                 time.sleep(0.001)
-            assert worker._pending is not None and "bytes" not in done
+            assert worker.slot.pending is not None and "bytes" not in done
         return swap()
 
-    worker._swap = swap_with_sync_arriving
+    worker.slot._swap = swap_with_sync_arriving
     out = worker.generate(batch_index=0, prompt_start=0, prompt_count=2, policy_version=0)
     assert out.policy_version == 0 and token_versions(tmp_path, 0) == {0, 1}
     assert done == {"bytes": sum(v.nbytes for v in new.values()), "version": 1}
@@ -125,7 +125,7 @@ def test_rollout_worker_takes_a_sync_inside_a_generation(tiny_model, copy_data, 
 
 def test_without_partial_rollouts_a_sync_waits_for_the_generation(tiny_model, copy_data, tmp_path):
     worker = RolloutWorker(make_cfg(tiny_model, copy_data, tmp_path, mode="sync"), str(tiny_model), str(tmp_path))
-    assert not worker.partial
+    assert not worker.slot.partial
     new, started, done = other_weights(worker.engine, 2), threading.Event(), {}
     load = worker.engine.load_weights
 
@@ -156,7 +156,7 @@ def test_deterministic_worker_logs_what_it_serves_and_serves_it_again(tiny_model
     cfg = make_cfg(tiny_model, copy_data, tmp_path, max_staleness=1, queue_limit=2).model_copy(update={"deterministic": True})
     assert not cfg.uses_partial_rollouts
     worker = RolloutWorker(cfg, str(tiny_model), str(tmp_path))
-    assert not worker.partial
+    assert not worker.slot.partial
     original = worker.generate(0, 0, 2, 0, exact=True)
     first = RolloutBatch.load(BatchStore(ObjectStore(str(tmp_path))), 0)
     versions = {v: other_weights(worker.engine, v) for v in range(1, 6)}

@@ -260,15 +260,15 @@ def test_a_replica_that_refuses_a_broadcast_sync_stops_it_without_a_hang(run, th
 
     good, picky = run.replica(), run.replica()
     # The picky replica serves a model of other names: its names check reads another folder.
-    from ratchet.workers import rollout as rollout_module
+    from ratchet.workers import weight_slot
 
-    real = rollout_module._model_weight_names
-    picky.policy_path = str(Path(picky.policy_path).parent / "elsewhere")
+    real = weight_slot.model_weight_names
+    picky.slot.policy_path = str(Path(picky.policy_path).parent / "elsewhere")
 
     def names(path: str):
         return (frozenset({"other.weight"}), frozenset()) if path.endswith("elsewhere") else real(path)
 
-    monkeypatch.setattr(rollout_module, "_model_weight_names", names)
+    monkeypatch.setattr(weight_slot, "model_weight_names", names)
     new_policy(run.trainer, seed=5)
     with pytest.raises((WeightNamesMismatch, SyncAborted)) as info:
         relayed_sync(NCCL, [Direct(run.trainer, threads)], [Direct(good, threads), Direct(picky, threads)], wait)

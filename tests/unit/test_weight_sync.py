@@ -190,7 +190,7 @@ def test_a_load_that_fails_halfway_is_never_served(worker):
     ]
     with pytest.raises(SyncAborted, match="went away"):
         worker.load_weights(FailingSource(manifest, buckets))
-    from ratchet.workers.rollout import TORN_VERSION
+    from ratchet.workers.weight_slot import TORN_VERSION
 
     assert worker.version == TORN_VERSION
     with pytest.raises(RuntimeError, match="holds policy v-1, asked for v0"):
