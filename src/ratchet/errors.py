@@ -58,11 +58,19 @@ class RewardTimeout(DomainError, TimeoutError):
     """Scoring took longer than reward.timeout_s; a retry scores with a fresh reward actor."""
 
 
+class MissingExtra(DomainError, ImportError):
+    """An optional feature the run uses whose packages this environment lacks (ratchet's
+    extras: src/ratchet/extras.py); the message names the extra to install. A retry runs
+    in the same environment."""
+
+    non_retryable = True
+
+
 # Errors of the config and task layers, which keep their own classes (they are raised
 # before a run exists, or inside a reward actor's constructor).
 CONFIG_ERROR = "ConfigError"
 REWARD_LOAD_ERROR = "RewardLoadError"
 
-DOMAIN_ERRORS = (NonFiniteError, RewardFunctionError, WorkerLost, ResourcesUnavailable, CheckpointFailed, RewardTimeout)
+DOMAIN_ERRORS = (NonFiniteError, RewardFunctionError, WorkerLost, ResourcesUnavailable, CheckpointFailed, RewardTimeout, MissingExtra)
 # Errors no retry can fix: a retry would run the same code on the same input.
 NON_RETRYABLE = (CONFIG_ERROR, REWARD_LOAD_ERROR, *(c.__name__ for c in DOMAIN_ERRORS if c.non_retryable))

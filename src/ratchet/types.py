@@ -3,6 +3,10 @@
 This module imports only the standard library so that workflow code can import it inside
 the Temporal sandbox. Every field is small: payloads carry references (URIs, ids) and
 scalar metrics, never tensors or samples (docs/design.md, rule 1).
+
+Why one module of ~500 lines: these dataclasses are the one contract between the workflow
+and the activities, imported whole into the workflow's sandbox and by the payload codec;
+in one file a reader sees every message that crosses Temporal, and none can drift apart.
 """
 
 from __future__ import annotations

@@ -17,15 +17,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from typing import TYPE_CHECKING
+
 from ratchet import types as t
-from ratchet.registry import Registry, RunRecord, registry_enabled, registry_url, safe_url
-from ratchet.registry.rebuild import committed_checkpoints, describe_config, final_metrics
+from ratchet.extras import missing_message
+from ratchet.registry import registry_enabled, registry_url, safe_url
 from ratchet.storage import MetricsLog, ObjectStore
+
+if TYPE_CHECKING:
+    from ratchet.registry import Registry
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., None])
 
-_registries: dict[str, Registry] = {}
+_registries: dict[str, "Registry"] = {}
+_said_not_installed = False
 _lock = threading.Lock()
 # After a failure the registry is left alone this long: a database that does not answer
 # would otherwise hold every step up for its connect timeout.
@@ -34,9 +40,21 @@ _retry_after = 0.0
 
 
 def registry() -> Registry | None:
-    """This process's registry (opened and migrated on first use, per URL); None when off."""
+    """This process's registry (opened and migrated on first use, per URL); None when off,
+    or when this worker has not the registry extra installed (said once, in its log)."""
+    global _said_not_installed
     if not registry_enabled():
         return None
+    not_installed = missing_message("registry", "writing the run registry")
+    if not_installed:
+        if not _said_not_installed:
+            log.warning(
+                "%s; the registry is not written by this worker (it can be rebuilt later: `ratchet registry rebuild`)", not_installed
+            )
+            _said_not_installed = True
+        return None
+    from ratchet.registry import Registry
+
     url = registry_url()
     with _lock:
         if url not in _registries:
@@ -84,6 +102,9 @@ def run_prepared(inp: t.PrepareInput, stored_config: dict[str, Any], digest: str
     if reg is None:
         return
     lineage = inp.lineage or t.RunLineage()
+    from ratchet.registry import RunRecord
+    from ratchet.registry.rebuild import describe_config
+
     described = describe_config(inp.run_id, stored_config)
     reg.record_run(
         RunRecord(
@@ -138,6 +159,8 @@ def checkpoints_changed(run: t.RunRef) -> None:
     reg = registry()
     if reg is None:
         return
+    from ratchet.registry.rebuild import committed_checkpoints
+
     reg.sync_checkpoints(run.run_id, committed_checkpoints(ObjectStore(run.run_uri)))
 
 
@@ -150,6 +173,8 @@ def run_finished(run: t.RunRef, total_steps: int) -> None:
     if reg is None:
         return
     store = ObjectStore(run.run_uri)
+    from ratchet.registry.rebuild import committed_checkpoints, final_metrics
+
     summary = final_metrics(MetricsLog(store).read())
     status = "stopped" if summary.get("steps", 0) < total_steps else "completed"
     reg.finish_run(run.run_id, status, summary)

@@ -620,6 +620,9 @@ RegistryURLOption = typer.Option(
 
 def _open_registry(url: Optional[str], state_dir: Optional[Path]):
     """The run registry, or exit naming the problem (the URL shown with its password masked)."""
+    from ratchet.extras import require
+
+    require("registry")
     from sqlalchemy.exc import SQLAlchemyError
 
     from ratchet.registry import RegistryURLError, registry_url, safe_url
@@ -657,6 +660,9 @@ def runs(
     ),
 ) -> None:
     """List runs from the run registry (filter, sort), or compare two runs."""
+    from ratchet.extras import require
+
+    require("registry")
     from ratchet.registry import RUN_STATUSES, SORT_KEYS
 
     from .runs_view import curves_table, diff_table, runs_table
@@ -915,6 +921,9 @@ def plot(
     root: Optional[str] = RootOption,
 ) -> None:
     """Plot reward, eval reward, KL, entropy, response length, staleness and step time per phase (PNG)."""
+    from ratchet.extras import require
+
+    require("plots")
     from .plot import PlotError, plot as draw
 
     try:

@@ -64,8 +64,12 @@ def explain(exc: BaseException) -> tuple[str, int] | None:
     from .payload_key import PayloadKeyError, PayloadKeyMismatch
     from .temporal_connection import TemporalConnectionError
 
+    from ratchet.errors import MissingExtra
+
     if isinstance(exc, CliError):
         return exc.message, exc.code
+    if isinstance(exc, MissingExtra):  # an optional feature not installed: the extra to install
+        return str(exc), 2
     if isinstance(exc, ServiceUnreachable):
         return str(exc), 1
     if isinstance(exc, TemporalConnectionError):  # a RATCHET_TEMPORAL_* variable: its name and the fix

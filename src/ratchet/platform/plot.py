@@ -110,6 +110,9 @@ def _parse(text: str, where: str) -> list[dict]:
 
 def plot_runs(runs: Sequence[RunCurves], out: str | Path) -> Path:
     """Draw the panels for `runs` into the PNG `out`; returns its path."""
+    from ratchet.extras import require
+
+    require("plots")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

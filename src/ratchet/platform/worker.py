@@ -25,6 +25,10 @@ logger, which `ratchet worker` prints plainly):
 - The Ray head is watched the same way, with a grace 5 s shorter than Ray's own (a
   driver whose GCS is gone 60 s is ended by Ray, with a C++ log line): the worker's line
   is the last one, and its exit code 1.
+
+Why one module of ~440 lines: one job, the worker process's life (its start-up checks,
+the Temporal worker, the watchdogs of the server and the Ray head, its exit), whose
+parts share the settings and the order they run in.
 """
 
 from __future__ import annotations

@@ -128,6 +128,9 @@ def _link_into_place(tmp: Path, path: Path) -> None:
 
 def from_config(tracking: "TrackingConfig") -> "MlflowTracker":
     """The catalog's builder (ratchet/catalog/trackers.py): `tracking.mlflow_uri`, else the default store."""
+    from ratchet.extras import require
+
+    require("mlflow", "tracking.mlflow (on by default)")
     return MlflowTracker(tracking.mlflow_uri)
 
 

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 def from_config(tracking: "TrackingConfig") -> "WandbTracker":
     """The catalog's builder (ratchet/catalog/trackers.py): the `tracking.wandb` section."""
+    from ratchet.extras import require
+
+    require("wandb", "tracking.wandb.enabled")
     w = tracking.wandb
     return WandbTracker(mode=w.mode, project=w.project, entity=w.entity, dir=w.dir)
 

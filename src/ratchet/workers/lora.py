@@ -25,6 +25,9 @@ which needs CUDA: refused here, with the reason, on a machine without it.
 
 Under FSDP2 (world size > 1) the adapters are sharded like every other parameter; the
 merge gathers base, A and B (collectives, the same order on every rank).
+
+Why one module of ~450 lines: one job, LoRA as the trainer, a checkpoint, the export and a
+weight sync see it; the adapters' build, merge and folder format change together.
 """
 
 from __future__ import annotations
@@ -143,6 +146,9 @@ def load_policy(model_path: str, cfg: RunConfig, device: torch.device | None = N
 def wrap(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """`model` with fresh adapters (B = 0: the wrapped model computes what `model` did);
     every base parameter frozen."""
+    from ratchet.extras import require
+
+    require("lora", "trainer.lora.rank > 0")
     from peft import LoraConfig, get_peft_model
 
     if settings.quantize is not None:

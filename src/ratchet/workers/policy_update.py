@@ -28,6 +28,11 @@ CPU, `trainer.device`), whole-batch arithmetic (rewards, advantages) stays on CP
 the small collectives (counts, metric sums, flags) run on the device, as NCCL requires.
 The config is read by attribute only, so this module imports no pydantic (the GPU check,
 benchmarks/gpu_check.py, runs it where pydantic is not installed).
+
+Why one module of ~480 lines: one job, a PPO-family update on one rank, read top to bottom
+in `train_step` (rewards, this rank's rows, old and reference log-probs, advantages,
+the off-policy correction, the update, the KL controller); the maths it calls lives in
+`ratchet.algorithms`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ machine and no idle worker processes pile up.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from ratchet.extras import missing_message
 from ratchet.tracking.mlflow_tracker import create_sqlite_store, quiet_mlflow_env
 from ratchet.tracking.uris import MLFLOW_DB, default_mlflow_uri, mlflow_artifacts_dir
 
@@ -60,8 +60,9 @@ def start(settings: ServiceSettings) -> dict[str, Any]:
     port, url = settings.mlflow_ui_port, mlflow_ui_url(settings)
     assert port is not None  # `ensure` starts it only when a port was asked for
     base = {"host": settings.host, "port": port, "url": url, "log_file": str(settings.mlflow_ui_log), "started_at": now()}
-    if importlib.util.find_spec("mlflow") is None:
-        return {**base, "error": "mlflow is not installed in this environment (pip install mlflow)"}
+    not_installed = missing_message("mlflow", "the MLflow UI")
+    if not_installed:
+        return {**base, "error": not_installed}
     if port_in_use(settings.host, port, settings.host):
         return {
             **base,
