@@ -28,6 +28,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 # script -> what its smoke run must print (its table's title and rows).
 SMOKE = {
+    "actor_start": ["actor start, CPU-s", "reward worker"],
     "async_speedup": ["orchestration alone", "sync", "one_step_off", "fully_async"],
     "checkpoint": [
         "checkpoint throughput",

@@ -7,6 +7,10 @@ a minimal run row when the run is missing (its `prepare_run` write failed, or th
 was created after the run began) rather than failing.
 
 The upserts use `INSERT ... ON CONFLICT DO UPDATE`, which SQLite and PostgreSQL both speak.
+
+Why one class of ~26 methods: one read or one upsert per question a caller asks of the
+four tables (runs, checkpoints, sweeps, trials), each a few lines over the same session
+and dialect handling; grouping them by table would split that handling, not shrink it.
 """
 
 from __future__ import annotations
