@@ -66,4 +66,6 @@ def test_every_actor_starts_without_the_collector_and_keeps_its_signature():
     for method in started:
         assert hasattr(method, "__wrapped__"), f"{method.__qualname__} is not decorated with during_start_up"
         assert inspect.signature(method) == inspect.signature(method.__wrapped__), method.__qualname__
-    assert list(inspect.signature(TrainerWorker.setup).parameters) == ["self", "master_port", "master_addr"]
+    # (`ray.remote(cls)` in this process, as other tests do, adds Ray's own `_ray_trace_ctx`.)
+    params = [p for p in inspect.signature(TrainerWorker.setup).parameters if not p.startswith("_ray")]
+    assert params == ["self", "master_port", "master_addr"]
