@@ -66,6 +66,11 @@ POOLS = (
 # Eight missed checks (4 s), not Ray's 13 s, yet not so few that a live node on a loaded
 # 2-core machine (CI runs two test processes at once) misses them and is taken for dead.
 FAST_NODE_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "8"}
+# How often the fault injector reads the run's step count: each read is an S3 GET served
+# by the moto server inside this test process (about 17 ms of its CPU; at ten a second it
+# was a sixth of the whole test's CPU). A fault then lands up to this much later in its
+# step, which was never a fixed moment.
+STEP_POLL_S = 0.5
 AWS_ENV = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION}
 
 
@@ -231,11 +236,11 @@ def inject(cluster: Cluster, run_id: str, seed: int, done: threading.Event, fire
     try:
         if drain:
             while steps() < DRAIN_STEP and not done.is_set():
-                time.sleep(0.1)
+                time.sleep(STEP_POLL_S)
             fired.append(drain_trainer_node(cluster, run_id, probe))
         for step, kind in zip((s + DRAIN_STEP if drain else s for s in FAULT_STEPS), kinds):
             while steps() < step and not done.is_set():
-                time.sleep(0.1)
+                time.sleep(STEP_POLL_S)
             if done.is_set():
                 return
             time.sleep(rng.uniform(0.0, 0.4))
@@ -256,7 +261,7 @@ def inject(cluster: Cluster, run_id: str, seed: int, done: threading.Event, fire
             holds_trainer = index in cluster.nodes_running("TrainerWorker")
             cluster.kill_node(index)
             while steps() <= before and not done.is_set():
-                time.sleep(0.1)
+                time.sleep(STEP_POLL_S)
             fired.append({"fault": kind, "step": before, "node": index, "holds_trainer": holds_trainer,
                           "to_next_step_s": round(time.monotonic() - t0, 1)})  # fmt: skip
     finally:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -208,6 +210,25 @@ def test_enable_determinism_trains_on_cpu(tiny_model):
         assert trainer.version == 1
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+def test_deterministic_kernels_leave_inductor_unimported_and_set_it_when_imported():
+    """A fresh process (as an actor's): the flag is on without Inductor's config imported
+    (2 CPU-s that a reward worker has no other use for), and a later import of that config
+    finds its `deterministic` flag set, as torch.use_deterministic_algorithms sets it."""
+    probe = (
+        "import sys, torch\n"
+        "from ratchet.workers.runtime import enable_determinism\n"
+        "enable_determinism(7)\n"
+        "print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),"
+        " 'torch._inductor.config' in sys.modules)\n"
+        "import torch._inductor.config as c\n"
+        "print(c.deterministic)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_DETERMINISTIC"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "False", "True"], out.stdout
 
 
 # --------------------------------------------------------------------------- two ranks

@@ -497,6 +497,34 @@ def test_train_step_updates_weights(tiny_model, train_batch):
     assert set(np_state) == set(after) and trainer.num_parameters() > 500_000
 
 
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_old_logprobs_from_the_update_match_a_forward_pass_of_their_own(tiny_model, train_batch, monkeypatch, ppo_epochs):
+    """One pass with nothing reading the old log-probs before it: they are the update's own
+    forward pass, and the weights and metrics (the off-policy diagnostics included) are the
+    ones a separate no-gradient forward pass gives, with one forward pass fewer per
+    micro-batch. Two passes need them before the first optimizer step: no shortcut then."""
+    cfg = make_cfg(tiny_model, algorithm={"kl": {"coef": 0.1, "type": "low_var_kl"}}, trainer={"ppo_epochs": ppo_epochs})
+
+    def run(shortcut: bool):
+        trainer = PolicyTrainer(str(tiny_model), cfg)
+        if not shortcut:
+            monkeypatch.setattr(trainer, "old_logprobs_from_the_update", lambda *a: False)
+        forwards = []
+        trainer.model.register_forward_hook(lambda *a: forwards.append(1))
+        metrics = train(trainer, train_batch, TRAIN_REWARDS)
+        return trainer.full_state(), metrics, len(forwards)
+
+    weights, metrics, forwards = run(shortcut=True)
+    weights_2, metrics_2, forwards_2 = run(shortcut=False)
+    # (the reference is a model of its own, without the hook)
+    assert forwards_2 == (2 * forwards if ppo_epochs == 1 else forwards), (forwards, forwards_2)
+    assert metrics.keys() == metrics_2.keys() and "off_policy/ppo_kl" in metrics
+    for name in metrics:
+        assert metrics[name] == pytest.approx(metrics_2[name], rel=1e-5, abs=1e-7), name
+    for name in weights:
+        torch.testing.assert_close(weights[name], weights_2[name], rtol=0, atol=1e-7, msg=name)
+
+
 def test_train_step_several_ppo_epochs(tiny_model, train_batch):
     trainer = PolicyTrainer(str(tiny_model), make_cfg(tiny_model, trainer={"ppo_epochs": 3, "lr": 1e-2}))
     metrics = train(trainer, train_batch, TRAIN_REWARDS)

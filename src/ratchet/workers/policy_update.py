@@ -6,11 +6,16 @@ Reading order is the algorithm's order:
 2. this rank's rows; normalisers counted over the *global* batch;
 3. without gradients: the policy's log-probs before the update ("old"/proximal) and, when
    the KL term is on, the reference policy's (and the per-token sum of pi^2 for the optimal
-   token baseline); gathered over ranks where the whole batch needs them (KL in the reward, OTB);
+   token baseline); gathered over ranks where the whole batch needs them (KL in the reward, OTB).
+   When nothing reads the old log-probs before the update (one pass, no KL in the reward, no
+   OTB, an off-policy mode that weights and masks nothing), they are the update's own forward
+   pass, detached: the weights do not move before its one optimizer step, so that pass sees
+   the old policy. One forward pass of three saved, as TRL does with one iteration;
 4. advantages over the whole batch, so groups and whitening see every sample (a rollout
    filter's dropped samples in groups of their own; Safe-RLHF: the reward's and the
    cost's, mixed by the Lagrange multiplier, workers/safety.py);
-5. the off-policy correction: per-token weights and a mask from old vs rollout log-probs;
+5. the off-policy correction: per-token weights and a mask from old vs rollout log-probs
+   (with the old log-probs from the update itself, only its diagnostics, after the update);
 6. `ppo_epochs` passes of micro-batched forward/backward: policy loss (times the
    correction weights) + KL - entropy, each aggregated by the registered mode; gradient
    clipping; one optimizer step per pass;
@@ -65,6 +70,7 @@ from ratchet.algorithms import (
     sequence_rewards_to_tokens,
     sum_pi_squared,
 )
+from ratchet.algorithms.off_policy_settings import as_is_weights, as_rejection
 from ratchet.errors import NonFiniteError
 
 from .batch import TENSOR_FIELDS, RolloutBatch, ScoredStep
@@ -331,6 +337,32 @@ class PolicyTrainer:
             "set trainer.grad_clip"
         )
 
+    def old_logprobs_from_the_update(self, needs_sum_pi_squared: bool, actor_frozen: bool) -> bool:
+        """Whether the old log-probs can be the update's own forward pass (module docstring,
+        step 3): one pass (so one optimizer step, after every micro-batch's forward), and no
+        reader before it: KL in the reward and the optimal token baseline use them for the
+        advantages, and an off-policy correction other than `none` (or with IS weights or
+        rejection criteria) for the weights and mask the loss needs. A frozen actor (the
+        critic's warm-up) makes no pass to take them from."""
+        alg, off = self.cfg.algorithm, self.cfg.algorithm.off_policy
+        reweights = off.mode != "none" or as_is_weights(getattr(off, "is_weights", None)) is not None
+        reweights = reweights or bool(as_rejection(getattr(off, "rejection", None)))  # getattr: gpu_check's config snapshot
+        return self.cfg.trainer.ppo_epochs == 1 and not (alg.kl.in_reward or needs_sum_pi_squared or reweights or actor_frozen)
+
+    def _off_policy(self, old: torch.Tensor | None, shard: RolloutBatch, shard_mask: torch.Tensor):
+        off = self.cfg.algorithm.off_policy
+        return off_policy_correction(
+            off.mode,
+            old_logprob=old,
+            rollout_logprob=shard.rollout_logprobs,
+            mask=shard_mask,
+            cap=off.cap,
+            level=off.level,
+            is_weights=getattr(off, "is_weights", None),  # getattr: gpu_check's config snapshot may predate it
+            rejection=getattr(off, "rejection", None),
+            world_size=self.world_size,
+        )
+
     def train_step(
         self, data: ScoredStep, *, kl_coef: float, values: torch.Tensor | None = None, safe_lambda: float | None = None
     ) -> StepResult:
@@ -360,10 +392,14 @@ class PolicyTrainer:
         micro = self._micro_batches(shard)
         # 3. old (proximal) and reference log-probs
         self.model.eval()
-        # bypass uses the behaviour log-probs as the old ones: no forward pass for them,
-        # unless KL in the reward needs the current policy's log-probs anyway.
-        recompute_old = alg.off_policy.mode != "bypass" or alg.kl.in_reward
         estimator, pi2 = ADV_ESTIMATORS.get(alg.adv_estimator), None
+        # verl's critic_warmup: the first critic.warmup_steps updates fit the critic only.
+        actor_frozen = values is not None and self.version < self.cfg.critic.warmup_steps
+        # The old log-probs: the update's own when nothing reads them before it
+        # (old_logprobs_from_the_update); bypass uses the behaviour log-probs instead, unless
+        # KL in the reward needs the policy's anyway; else a forward pass now.
+        from_update = self.old_logprobs_from_the_update(estimator.needs_sum_pi_squared, actor_frozen)
+        recompute_old = not from_update and (alg.off_policy.mode != "bypass" or alg.kl.in_reward)
         if estimator.needs_sum_pi_squared:  # the optimal token baseline: both from one forward pass
             old, pi2 = self._logprobs_and_sum_pi_squared(shard, micro)
         else:
@@ -395,31 +431,20 @@ class PolicyTrainer:
                 "Check the critic's values and the rewards of those rows"
             )
         shard_adv = self._on_device(adv_out.advantages[rows])
-        # 5. off-policy correction
-        correction = off_policy_correction(
-            alg.off_policy.mode,
-            old_logprob=old,
-            rollout_logprob=shard.rollout_logprobs,
-            mask=shard_mask,
-            cap=alg.off_policy.cap,
-            level=alg.off_policy.level,
-            is_weights=getattr(alg.off_policy, "is_weights", None),  # getattr: gpu_check's config snapshot may predate it
-            rejection=getattr(alg.off_policy, "rejection", None),
-            world_size=self.world_size,
-        )
-        if correction.use_rollout_as_old:
+        # 5. off-policy correction (with the old log-probs from the update: weights 1 and
+        # nothing masked, so it waits for them and gives its diagnostics after the update)
+        correction = None if from_update else self._off_policy(old, shard, shard_mask)
+        if correction is not None and correction.use_rollout_as_old:
             old = shard.rollout_logprobs
-        loss_mask = shard_mask * correction.mask
+        loss_mask = shard_mask if correction is None else shard_mask * correction.mask
         norm = self._global_normaliser(loss_mask)
         # 6. the update
         loss_fn = POLICY_LOSSES.get(alg.policy_loss)
         aggregate = LOSS_AGGREGATIONS.get(alg.loss_agg_mode)
         params = LossParams.from_algorithm(alg)
         sums = MetricSums(values={})
-        grad_norms = []
+        grad_norms, own_logprobs = [], []
         self.model.train()
-        # verl's critic_warmup: the first critic.warmup_steps updates fit the critic only.
-        actor_frozen = values is not None and self.version < self.cfg.critic.warmup_steps
         for epoch in range(0 if actor_frozen else self.cfg.trainer.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             bad_loss = None  # this rank's first non-finite micro-batch loss
@@ -427,8 +452,10 @@ class PolicyTrainer:
                 m, mm = shard.select(s), loss_mask[s]
                 logits = response_logits(self.model, m, self.cfg.rollout.temperature)
                 logprob = token_logprobs(logits, m.response_ids)
-                out = loss_fn(logprob, old[s], shard_adv[s], mm, params)
-                loss = aggregate(out.loss * correction.weights[s], mm, norm)
+                if from_update:
+                    own_logprobs.append(logprob.detach())
+                out = loss_fn(logprob, own_logprobs[-1] if from_update else old[s], shard_adv[s], mm, params)
+                loss = aggregate(out.loss if correction is None else out.loss * correction.weights[s], mm, norm)
                 entropy = entropy_from_logits(logits)
                 if alg.entropy_coeff > 0:
                     loss = loss - alg.entropy_coeff * aggregate(entropy, mm, norm)
@@ -453,6 +480,8 @@ class PolicyTrainer:
             # the loss flag is summed over ranks, so every rank raises alike (no hung collective).
             self._check_finite_update(float(grad_norm), bad_loss, epoch)
             self.optimizer.step()
+        if correction is None:  # its diagnostics, from the log-probs the update's pass saw
+            correction = self._off_policy(torch.cat(own_logprobs), shard, shard_mask)
         staleness = token_staleness_histogram(self.version - batch.policy_version, mask)
         self.version += 1
         metrics = sums.reduce(self.world_size, self.device)

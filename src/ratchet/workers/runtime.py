@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,29 @@ def enable_determinism(seed: int) -> None:
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    deterministic_kernels()
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def deterministic_kernels() -> None:
+    """`torch.use_deterministic_algorithms(True)` without importing Inductor's config for
+    it, which that function does to set the config's `deterministic` flag: 2 CPU-s in a
+    process that has no other use for Inductor (the reward worker, at every start of a
+    deterministic run's). The config reads TORCHINDUCTOR_DETERMINISTIC when it is first
+    imported, so a later import gets the flag too; one imported already is set directly."""
+    import torch
+
+    set_flag = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if set_flag is None:  # a torch without it: the public call, import and all
+        torch.use_deterministic_algorithms(True)
+        return
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = True
+    set_flag(True, warn_only=False)
 
 
 def resolve_device(requested: str, rank: int = 0):
