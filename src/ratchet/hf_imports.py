@@ -17,6 +17,12 @@ same object, without importing transformers' auto-model registry (AutoTokenizer 
 it with every model's configuration and generation utilities: about 2 CPU-s, for a
 reward actor or a config check that only decodes or counts tokens). Any other class goes
 through AutoTokenizer, so a model's own tokenizer class is never replaced.
+
+transformers also maps every import name to its distribution when it is first imported
+(`importlib.metadata.packages_distributions()`), reading the file list of every installed
+distribution: 0.5-0.7 CPU-s with the ~260 a full install has, in every process that imports
+it. `hide_sklearn_and_scipy()` makes that first import with the mapping kept in the user's
+cache folder (`installed_packages.py`), computed once per set of installed packages.
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ _CHECKS = ("is_sklearn_available", "is_scipy_available")
 
 
 def hide_sklearn_and_scipy() -> None:
-    from transformers import utils as hf_utils
-    from transformers.utils import import_utils as hf_imports
+    from ratchet.installed_packages import cached_packages_distributions
+
+    with cached_packages_distributions():  # the first import of transformers reads the mapping
+        from transformers import utils as hf_utils
+        from transformers.utils import import_utils as hf_imports
 
     for check in _CHECKS:
         if hasattr(hf_imports, check):  # a transformers without the check: nothing to hide
