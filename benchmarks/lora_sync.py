@@ -56,7 +56,7 @@ def best(fn, repeats: int) -> tuple[float, object]:
 
 def lora_model(path: str, rank: int):
     cfg = SimpleNamespace(seed=0, model=SimpleNamespace(dtype="float32"),
-                          trainer=SimpleNamespace(lora=SimpleNamespace(rank=rank, alpha=2.0 * rank, target_modules="all-linear", dropout=0.0)))  # fmt: skip
+                          trainer=SimpleNamespace(lora=SimpleNamespace(rank=rank, alpha=2.0 * rank, target_modules="all-linear", dropout=0.0, quantize=None)))  # fmt: skip
     model = lora.load_policy(path, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():

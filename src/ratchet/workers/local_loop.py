@@ -64,10 +64,10 @@ class LocalLoop:
         self.needs_baseline = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).needs_baseline
         self.kl_coef = cfg.algorithm.kl.coef
         # Safe-RLHF's cost and multiplier, and the rollout filter, as the reward worker and the workflow hold them.
-        safety = getattr(cfg, "safety", None)
+        safety = cfg.safety
         self.costs = CostScorer(safety) if safety_on(safety) else None
         self.safe_lambda = safety.lambda_init if self.costs is not None else None
-        self.filter = RolloutFilter(cfg.rollout.filter) if getattr(cfg.rollout, "filter", None) else None
+        self.filter = RolloutFilter(cfg.rollout.filter) if cfg.rollout.filter else None
 
     def _sampling(self, step: int) -> SamplingParams:
         """Step `step` samples as the workflow's batch `step` does (one round: part 0)."""

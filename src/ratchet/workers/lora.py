@@ -74,10 +74,9 @@ class LoraSettings:
 
 
 def lora_settings(cfg: RunConfig) -> LoraSettings | None:
-    """The run's LoRA settings, or None when it trains the whole policy (rank 0, or a
-    config without the section)."""
-    section = getattr(cfg.trainer, "lora", None)
-    if section is None or int(section.rank) <= 0:
+    """The run's LoRA settings, or None when it trains the whole policy (rank 0)."""
+    section = cfg.trainer.lora
+    if int(section.rank) <= 0:
         return None
     targets = section.target_modules
     return LoraSettings(
@@ -85,7 +84,7 @@ def lora_settings(cfg: RunConfig) -> LoraSettings | None:
         alpha=float(section.alpha),
         target_modules=targets if isinstance(targets, str) else list(targets),
         dropout=float(section.dropout),
-        quantize=getattr(section, "quantize", None),
+        quantize=section.quantize,
     )
 
 
@@ -131,13 +130,13 @@ def load_policy(model_path: str, cfg: RunConfig, device: torch.device | None = N
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.bfloat16
         )
-        kwargs["device_map"] = {"": device.index or 0}
+        kwargs["device_map"] = {"": (device.index if device is not None else None) or 0}
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
     fingerprint = base_fingerprint(base)
     # The adapters' initialisation from the run's seed alone: every trainer rank makes the
     # same (FSDP2 keeps each rank's own rows of them), and the global generator is left as it was.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(getattr(cfg, "seed", 0)))
+        torch.manual_seed(int(cfg.seed))
         model = wrap(base, settings)
     model.ratchet_base = LoraBase(path=str(model_path), fingerprint=fingerprint)
     return model
@@ -255,7 +254,7 @@ def check_restore(model: torch.nn.Module, saved: dict | None, where: str) -> Non
             f"{saved['base']['fingerprint']}), but this trainer's base at {live.path} has fingerprint {live.fingerprint}: "
             "an adapter only means something on its own base. Resume with the model it was trained on"
         )
-    shape = {k: v for k, v in checkpoint_record(model).items() if k != "base"}
+    shape = {k: v for k, v in (checkpoint_record(model) or {}).items() if k != "base"}  # a LoRA model here: never {}
     trained = {k: saved.get(k) for k in shape}
     if trained != shape:
         raise WrongBase(

@@ -53,6 +53,13 @@ log = logging.getLogger(__name__)
 NO_CALL, MAX_TURNS, MAX_TOKENS = "no_call", "max_turns", "max_tokens"
 
 
+def _sampled(seed: int | None) -> int:
+    """A sampled conversation's prompt seed (only a greedy one has none)."""
+    if seed is None:
+        raise ValueError("a sampled conversation without its prompt's seed")
+    return seed
+
+
 def turn_seed(prompt_seed: int, sample: int, turn: int) -> int:
     """The seed of turn `turn` (>= 2) of sample `sample` of a prompt seeded `prompt_seed`."""
     import numpy as np
@@ -192,7 +199,7 @@ class MultiTurnRollout:
                 params,
                 n=1,
                 max_new_tokens=max(budget - len(c.tokens) for c in active),
-                prompt_seeds=None if params.greedy else tuple(turn_seed(c.seed, c.sample, c.turns + 1) for c in active),
+                prompt_seeds=None if params.greedy else tuple(turn_seed(_sampled(c.seed), c.sample, c.turns + 1) for c in active),
             )
             gens = engine.generate([c.prompt + c.tokens for c in active], turn_params, version=version, weight_swap=weight_swap)
             for conv, group in zip(active, gens):

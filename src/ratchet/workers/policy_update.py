@@ -202,10 +202,10 @@ class PolicyTrainer:
         self.rank = rank
         self.world_size = world_size
         t = cfg.trainer
-        self.device = resolve_device(getattr(t, "device", "auto"), rank)
+        self.device = resolve_device(t.device, rank)
         self.plan = ShardingPlan(
-            mixed_precision=resolve_mixed_precision(getattr(t, "mixed_precision", "auto"), self.device),
-            activation_checkpointing=getattr(t, "activation_checkpointing", False),
+            mixed_precision=resolve_mixed_precision(t.mixed_precision, self.device),
+            activation_checkpointing=t.activation_checkpointing,
         )
         self.lora = lora_settings(cfg)  # None: the whole policy trains
         # QLoRA's 4-bit base is not sharded with FSDP2: one rank, unwrapped (the config refuses more ranks).
@@ -345,8 +345,7 @@ class PolicyTrainer:
         rejection criteria) for the weights and mask the loss needs. A frozen actor (the
         critic's warm-up) makes no pass to take them from."""
         alg, off = self.cfg.algorithm, self.cfg.algorithm.off_policy
-        reweights = off.mode != "none" or as_is_weights(getattr(off, "is_weights", None)) is not None
-        reweights = reweights or bool(as_rejection(getattr(off, "rejection", None)))  # getattr: gpu_check's config snapshot
+        reweights = off.mode != "none" or as_is_weights(off.is_weights) is not None or bool(as_rejection(off.rejection))
         return self.cfg.trainer.ppo_epochs == 1 and not (alg.kl.in_reward or needs_sum_pi_squared or reweights or actor_frozen)
 
     def _off_policy(self, old: torch.Tensor | None, shard: RolloutBatch, shard_mask: torch.Tensor):
@@ -358,8 +357,8 @@ class PolicyTrainer:
             mask=shard_mask,
             cap=off.cap,
             level=off.level,
-            is_weights=getattr(off, "is_weights", None),  # getattr: gpu_check's config snapshot may predate it
-            rejection=getattr(off, "rejection", None),
+            is_weights=off.is_weights,
+            rejection=off.rejection,
             world_size=self.world_size,
         )
 

@@ -69,7 +69,7 @@ class RolloutWorker:
         self.multi_turn = MultiTurnRollout.from_config(cfg, tok)
         if self.multi_turn is not None:
             self.multi_turn.check_prompts(self.train, d.train_files)
-            if self.eval is not None:
+            if self.eval is not None and d.eval_files is not None:
                 self.multi_turn.check_prompts(self.eval, d.eval_files)
         self.run = ObjectStore(run_uri)
         self.needs_baseline = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator).needs_baseline

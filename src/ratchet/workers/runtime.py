@@ -90,7 +90,7 @@ def deterministic_kernels() -> None:
     os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
     inductor = sys.modules.get("torch._inductor.config")
     if inductor is not None:
-        inductor.deterministic = True
+        setattr(inductor, "deterministic", True)  # a config module: its fields are set as attributes
     set_flag(True, warn_only=False)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -73,7 +73,7 @@ class SafeRLHFEstimator:
     estimator: Callable[[AdvInputs, AdvParams], AdvOutput]
     costs: torch.Tensor | None  # [B], every sample of the step
     lam: float  # the multiplier in force; after the call, the stepped one
-    safety: object  # SafetyConfig (read by attribute)
+    safety: Any  # SafetyConfig, or the GPU check's snapshot of one (read by attribute)
     metrics: dict[str, float] = field(default_factory=dict)
 
     def __call__(self, inputs: AdvInputs, params: AdvParams) -> AdvOutput:
@@ -113,9 +113,8 @@ def safety_on(safety) -> bool:
 
 def safe_rlhf_estimator(cfg, estimator: Callable, costs: torch.Tensor | None, lam: float | None) -> SafeRLHFEstimator | None:
     """The Safe-RLHF wrapper of `estimator` when the config has a cost (None: the multiplier
-    in force is `safety.lambda_init`), else None. `cfg` is read by attribute: a config
-    without a safety section (the GPU check's) has none."""
-    safety = getattr(cfg, "safety", None)
+    in force is `safety.lambda_init`), else None."""
+    safety = cfg.safety
     if not safety_on(safety):
         return None
     return SafeRLHFEstimator(estimator, costs, safety.lambda_init if lam is None else lam, safety)

@@ -149,6 +149,7 @@ class _StageTrainer:
         from ratchet.data.conversations import encode_conversation, encode_pair, read_conversations, read_preferences
 
         d, limit = self.stage.data, self.stage.max_length
+        seqs: list[tuple]  # (conversation,) for SFT, (chosen, rejected) for DPO
         if self.stage.kind == "sft":
             rows = [encode_conversation(self.tokenizer, m) for m in read_conversations(path, d.messages_key)]
             seqs = [(r,) for r in rows]

@@ -44,6 +44,13 @@ class Generation:
 WeightSwap = Callable[[], "int | None"]
 
 
+class EngineClass(Protocol):
+    """What `ENGINES` (ratchet/catalog/engines.py) holds for a name: an `Engine` class, built
+    as `cls(model_path, *, dtype, **options)` with its section's options (engines/build.py)."""
+
+    def __call__(self, model_path: str, *, dtype: str, **options: Any) -> "Engine": ...
+
+
 class Engine(Protocol):
     """Built as `cls(model_path, *, dtype)` (ratchet/catalog/engines.py): `model_path` a local Hugging Face
     model folder (weights and tokenizer), `dtype` one of `model.dtype`'s values."""

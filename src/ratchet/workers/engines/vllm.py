@@ -31,7 +31,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -220,7 +220,7 @@ class VLLMEngine:
         _use_threads(self._torch_threads)  # a sync may arrive on another thread (rollout.py)
         seen: set[str] = set()
         unexpected: list[str] = []
-        pairs = torch_weights(weights, self.dtype, self._names, seen, unexpected)
+        pairs: Iterable[tuple[str, Any]] = torch_weights(weights, self.dtype, self._names, seen, unexpected)
         if not self._stream_weights:
             pairs = list(pairs)
         # vLLM's in-place reload: its own loader maps HF names to its fused layout (qkv,
