@@ -40,7 +40,7 @@ from ratchet.algorithms import ADV_ESTIMATORS, OFF_POLICY, POLICY_LOSSES
 from ratchet.config import load_config
 from ratchet.platform.assets import prepare_assets
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.storage import ObjectStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.workers.local_loop import LocalLoop
 from ratchet.workers.warmup import warmup_policy
 

@@ -34,7 +34,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ratchet.storage import CheckpointStore, ObjectStore
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
 
 log = logging.getLogger("benchmarks.checkpoint")
 
@@ -150,7 +151,8 @@ def training_stall_rows(targets: dict[str, str], checkpoints: dict[int, Path]) -
     worker does), against a synchronous save (write the state, then upload it)."""
     import torch
 
-    from ratchet.storage import CheckpointStore, ObjectStore
+    from ratchet.storage.checkpoint_store import CheckpointStore
+    from ratchet.storage.object_store import ObjectStore
     from ratchet.workers.checkpointing import save_trainer_state, snapshot, write_snapshot
 
     torch.set_num_threads(1)

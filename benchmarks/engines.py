@@ -133,7 +133,8 @@ def measure(w: Workload, engine_name: str, repeats: int, storage: Path) -> Measu
     call of the same batch index does (its seeds)."""
     import ray
 
-    from ratchet.workers.engines import SamplingParams, build_engine
+    from ratchet.workers.engines.base import SamplingParams
+    from ratchet.workers.engines.build import build_engine
     from ratchet.workers.prompts import PromptSet
     from ratchet.workers.actors.placement import actor_env
     from ratchet.workers.rollout import RolloutWorker

@@ -343,7 +343,7 @@ def check_generate(report: Report, model: Path, shape: str, device: str, sizes: 
     """HFEngine as a run calls it: one seed per prompt, n samples each."""
     import torch
 
-    from ratchet.workers.engines import SamplingParams
+    from ratchet.workers.engines.base import SamplingParams
     from ratchet.workers.engines.hf import HFEngine
 
     dtype = "bfloat16" if device == "cuda" else "float32"

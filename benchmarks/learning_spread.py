@@ -67,7 +67,7 @@ class Assets:
         ]  # fmt: skip
 
     def warm(self, cfg, seed: int) -> str:
-        from ratchet.storage import ObjectStore
+        from ratchet.storage.object_store import ObjectStore
         from ratchet.workers.warmup import warmup_policy
 
         return warmup_policy(cfg, cfg.model.path, ObjectStore(str(self.root / f"warm-{seed}-{time.monotonic_ns()}")).url).uri
@@ -138,7 +138,7 @@ def case_pipeline(assets: Assets, seed: int) -> dict[str, float]:
 
     from ratchet.config.pipeline_plan import rl_stage_config
     from ratchet.config.schema import RunConfig
-    from ratchet.storage import ObjectStore
+    from ratchet.storage.object_store import ObjectStore
     from ratchet.tasks.pipeline_data import write_pipeline_data
     from ratchet.workers.local_loop import LocalLoop
     from ratchet.workers.supervised import ChunkRequest, run_chunk

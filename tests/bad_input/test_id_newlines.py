@@ -18,7 +18,7 @@ from ratchet.config import ConfigError, load_config
 from ratchet.config.sweep_spec import SweepSpecError, load_sweep_spec
 from ratchet.ids import InvalidId, check_id, is_valid_id
 from ratchet.platform.fork import checkpoint_name
-from ratchet.storage import ObjectStore
+from ratchet.storage.object_store import ObjectStore
 
 BASE = {"model": {"path": "/nowhere"}, "data": {"train_files": "/nowhere.parquet"}}
 ENDINGS = ["\n", "\r\n", " "]

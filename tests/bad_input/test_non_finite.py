@@ -12,7 +12,9 @@ import torch
 
 from ratchet.errors import NonFiniteError, RewardFunctionError
 from ratchet.models.tiny import VOCAB
-from ratchet.storage import BatchStore, CheckpointStore, ObjectStore
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.workers.batch import RolloutBatch, ScoredStep, save_scores
 from ratchet.workers.policy_update import PolicyTrainer
 from ratchet.workers.scoring import score_batch

@@ -17,7 +17,8 @@ from ratchet.config import ConfigError, RunConfig
 from ratchet.config.resume_keys import check_resume_changes
 from ratchet.ids import InvalidId
 from ratchet.platform.client import RECIPE_PATH, RunIsLive, read_run_state
-from ratchet.storage import CheckpointStore, ObjectStore
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
 
 
 @pytest.mark.parametrize("bad", ["../x", "../../etc", "a/b", ".hidden", "", "x" * 200])

@@ -94,7 +94,8 @@ def test_submit_refuses_the_id_of_a_run_folder_and_writes_nothing(client, assets
 
 
 def test_submit_refuses_an_id_the_registry_lists(client, assets, tmp_path, monkeypatch):
-    from ratchet.registry import Registry, RunRecord
+    from ratchet.registry.db import Registry
+    from ratchet.registry.records import RunRecord
 
     url = f"sqlite:///{tmp_path / 'registry.db'}"
     monkeypatch.setenv("RATCHET_REGISTRY_URL", url)
@@ -134,7 +135,8 @@ def test_fork_refuses_a_new_id_temporal_knows(client, assets, tmp_path, no_regis
     """Fork used to look only for the new id's folder: a run that Temporal still knew was
     restarted under it, its folder rewritten."""
     from ratchet.config import load_config
-    from ratchet.storage import CheckpointStore, ObjectStore
+    from ratchet.storage.checkpoint_store import CheckpointStore
+    from ratchet.storage.object_store import ObjectStore
     from ratchet.storage.layout import RunLayout
 
     parent = ObjectStore(str(tmp_path)).child("parent-1")

@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 
 from ratchet.config.schema import RunConfig
 from ratchet.data.order import data_order_seed
-from ratchet.storage import BatchStore, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.workers.batch import RolloutBatch
 from ratchet.workers.batch_seeds import prompt_indices
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.workers.batch import RolloutBatch
 from .run_checks import first_prompts
 from ..polling import wait_until

@@ -80,7 +80,8 @@ def test_eval_reward_beats_warmup_model(grpo_run):
 def test_history_has_one_step_activity_per_step(grpo_run, platform):
     """Sync mode runs a step as one `step` activity (generate, score, train, sync on the
     actors), each batch stored once: rollout and scores of every step in the batch store."""
-    from ratchet.storage import BatchStore, ObjectStore
+    from ratchet.storage.batch_store import BatchStore
+    from ratchet.storage.object_store import ObjectStore
     from ratchet.workers.batch import load_step
 
     handle, summary = grpo_run

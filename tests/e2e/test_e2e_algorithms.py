@@ -34,7 +34,8 @@ def test_algorithm_runs_through_the_workflow(platform, run, tmp_path):
     if "adaptive_kl" in names:
         assert lines[-1]["kl_coef"] != lines[0]["kl_coef"], "the adaptive controller never moved the coefficient"
     if mixes_reward_model:
-        from ratchet.storage import BatchStore, ObjectStore
+        from ratchet.storage.batch_store import BatchStore
+        from ratchet.storage.object_store import ObjectStore
         from ratchet.workers.batch import load_scores
 
         rewards, extras = load_scores(BatchStore(ObjectStore(summary.run_uri)), 0)

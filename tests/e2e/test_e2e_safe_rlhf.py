@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.workers.batch import load_step
 
 pytestmark = pytest.mark.integration

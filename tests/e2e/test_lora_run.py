@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 
 pytestmark = pytest.mark.integration
 

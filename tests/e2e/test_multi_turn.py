@@ -85,7 +85,8 @@ def write_tools(tmp_path: Path) -> Path:
 def reference_batch(cfg, run_dir: Path, batch_index: int):
     """What an undisturbed rollout of batch `batch_index` makes from the warm-up policy."""
     from ratchet.data.order import data_order_seed
-    from ratchet.workers.engines import HFEngine, SamplingParams
+    from ratchet.workers.engines.hf import HFEngine
+    from ratchet.workers.engines.base import SamplingParams
     from ratchet.workers.multi_turn import MultiTurnRollout
     from ratchet.workers.prompts import PromptSet
     from ratchet.workers.batch_seeds import prompt_indices, sampling_seed
@@ -102,7 +103,8 @@ def reference_batch(cfg, run_dir: Path, batch_index: int):
 
 
 def test_killed_rollout_mid_conversation_loses_and_repeats_nothing(platform, tmp_path):
-    from ratchet.storage import BatchStore, ObjectStore
+    from ratchet.storage.batch_store import BatchStore
+    from ratchet.storage.object_store import ObjectStore
     from ratchet.tasks.tool_tasks import write_tool_add_jsonl
     from ratchet.workers.batch import RolloutBatch, load_scores
 

@@ -10,7 +10,8 @@ import pytest
 from safetensors.torch import load_file
 
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.storage import CheckpointStore, ObjectStore
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
 
 pytestmark = pytest.mark.integration
 

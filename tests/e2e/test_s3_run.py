@@ -22,7 +22,8 @@ import pytest
 from ratchet.platform.client import RECIPE_PATH, Client
 from ratchet.platform.demo import start_worker_process, stop_worker_process
 from ratchet.platform.services import ServiceSettings, down, free_ports, temporal_address, up
-from ratchet.storage import CheckpointStore, ObjectStore
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
 
 from ..s3_server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
 

@@ -31,7 +31,9 @@ from temporalio.worker import Replayer
 from ratchet import types as t
 from ratchet.platform.client import RECIPE_PATH, NothingToResume, command_for
 from ratchet.platform.services import temporal_address
-from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.workflows.training import TrainingWorkflow
 
 from tests.faults.standins import StandIns, dev_server, plan, run_on, start, training_input, worker_for

@@ -21,7 +21,7 @@ import pytest
 from temporalio.service import RPCError
 
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.registry import Registry
+from ratchet.registry.db import Registry
 from tests.e2e.chaos_platform import ChaosPlatform
 
 pytestmark = pytest.mark.integration

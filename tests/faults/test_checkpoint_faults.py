@@ -30,7 +30,10 @@ import numpy as np
 import pytest
 import torch
 
-from ratchet.storage import CheckpointStore, MetricsLog, ObjectStore, RunLayout, SealMismatch
+from ratchet.storage.checkpoint_store import CheckpointStore, SealMismatch
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.storage.checkpoint_store import FORMAT, MANIFEST, SEAL_TRIES
 from tests.s3_server import moto_server, s3_env, store_url  # noqa: F401
 
@@ -282,7 +285,8 @@ def test_a_torn_metrics_line_is_skipped_by_readers_and_kept_by_writers(tmp_path,
 
 
 def test_registry_rebuild_skips_torn_lines_and_bad_runs(tmp_path):
-    from ratchet.registry import Registry, rebuild_from_store
+    from ratchet.registry.db import Registry
+    from ratchet.registry.rebuild import rebuild_from_store
     from tests.registry.runfolders import write_run
 
     root = tmp_path / "runs"

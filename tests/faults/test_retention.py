@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.storage import CheckpointStore, ObjectStore
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.storage.checkpoint_store import MANIFEST
 from tests.s3_server import moto_server, s3_env, store_url  # noqa: F401
 

@@ -15,7 +15,10 @@ import torch
 from ratchet.config.schema import RunConfig
 from ratchet.models.tiny import VOCAB
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.storage import BatchStore, CheckpointStore, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.workers.batch import RolloutBatch, save_scores
 from ratchet.workers.results import CheckpointOutcome
 from ..polling import wait_until

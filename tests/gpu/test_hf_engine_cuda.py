@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ratchet.workers.engines import SamplingParams
+from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.engines.hf import HFEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.storage import CheckpointInfo, CheckpointStore, CorruptCheckpoint, ObjectStore
+from ratchet.storage.checkpoint_store import CheckpointInfo, CheckpointStore, CorruptCheckpoint
+from ratchet.storage.object_store import ObjectStore
 from ratchet.storage.checkpoint_store import MANIFEST
 from tests.s3_server import moto_server, s3_env, store_url  # noqa: F401
 

@@ -98,7 +98,8 @@ def test_schema_unknown_section_names_the_sections():
 
 
 def test_checkpoint_names_stay_whole_at_80_columns(tmp_path):
-    from ratchet.storage import CheckpointStore, ObjectStore
+    from ratchet.storage.checkpoint_store import CheckpointStore
+    from ratchet.storage.object_store import ObjectStore
 
     run_id = "a-rather-long-experiment-name-20261202-054448-ab12"
     local = tmp_path / "local"

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 
 from ..faults.test_worker_faults import TINY, stored_step
 

@@ -14,7 +14,7 @@ import traceback
 
 import pytest
 
-from ratchet.storage import ObjectStore, StoreUnavailable
+from ratchet.storage.object_store import ObjectStore, StoreUnavailable
 from ratchet.storage.s3_env import StorageConfigError
 from tests.s3_server import ACCESS_KEY, SECRET_KEY, moto_server, s3_env, store_url  # noqa: F401
 

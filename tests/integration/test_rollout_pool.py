@@ -12,7 +12,8 @@ import torch
 
 from ratchet.config import load_config
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.workers.batch import RolloutBatch
 
 torch.set_num_threads(1)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ratchet.storage import CheckpointStore, MetricsLog, ObjectStore, RunLayout
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from tests.configs import make_cfg
 
 

@@ -12,8 +12,10 @@ from ratchet import types as t
 from ratchet.activities import registry_calls
 from ratchet.activities.training import config_digest, prepare_run, record_step
 from ratchet.platform.services import free_ports
-from ratchet.registry import Registry
-from ratchet.storage import MetricsLog, ObjectStore, RunLayout
+from ratchet.registry.db import Registry
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 
 from .conftest import PG_PASSWORD
 from .runfolders import stored_config, write_run

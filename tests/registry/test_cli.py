@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from ratchet.platform.cli import app
 from ratchet.platform.runs_view import config_diff, curve_rows
-from ratchet.registry import Registry, RunRecord
+from ratchet.registry.db import Registry
+from ratchet.registry.records import RunRecord
 
 from .conftest import PG_PASSWORD
 from .runfolders import write_run

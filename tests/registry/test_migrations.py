@@ -17,7 +17,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import MetaData, create_engine, inspect
 
-from ratchet.registry import Registry
+from ratchet.registry.db import Registry
 from ratchet.registry.migrate import ALEMBIC_LOCK, current, head
 from ratchet.registry.tables import Base
 

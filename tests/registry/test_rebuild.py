@@ -6,9 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from ratchet.registry import Registry, RunRecord, rebuild_from_store
+from ratchet.registry.db import Registry
+from ratchet.registry.records import RunRecord
+from ratchet.registry.rebuild import rebuild_from_store
 from ratchet.registry.rebuild import config_digest
-from ratchet.storage import CheckpointStore, RunLayout
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.layout import RunLayout
 
 from .runfolders import write_run
 

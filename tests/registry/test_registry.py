@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 from sqlalchemy import func, select
 
-from ratchet.registry import Registry, RunRecord, SweepRecord, TrialRecord
+from ratchet.registry.db import Registry
+from ratchet.registry.records import RunRecord, SweepRecord, TrialRecord
 from ratchet.registry.tables import Checkpoint, Run, Sweep, Trial
 
 
@@ -149,7 +150,7 @@ def test_trials_keep_what_a_later_partial_write_lacks(reg):
 
 def test_postgres_password_never_logged(postgres, caplog):
     """The URL's password appears in no log line, repr or error of the registry."""
-    from ratchet.registry import safe_url
+    from ratchet.registry.urls import safe_url
 
     from .conftest import PG_PASSWORD
 

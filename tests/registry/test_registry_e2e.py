@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from ratchet.platform.client import RECIPE_PATH
-from ratchet.registry import Registry, sqlite_url
-from ratchet.storage import CheckpointStore, ObjectStore
+from ratchet.registry.db import Registry
+from ratchet.registry.urls import sqlite_url
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
 
 pytestmark = pytest.mark.integration
 

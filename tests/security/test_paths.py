@@ -18,7 +18,11 @@ from pathlib import Path
 import pytest
 
 from ratchet.ids import InvalidId
-from ratchet.storage import BatchStore, CheckpointStore, CorruptCheckpoint, MetricsLog, ObjectStore, UnsafeKey
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.checkpoint_store import CheckpointStore, CorruptCheckpoint
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.keys import UnsafeKey
 from ratchet.storage.checkpoint_store import MANIFEST
 from tests.s3_server import moto_server, s3_env, store_url  # noqa: F401
 

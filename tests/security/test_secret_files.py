@@ -15,7 +15,7 @@ import pytest
 from ratchet.platform.temporal_connection import TemporalConnectionError
 from ratchet.platform.temporal_connection import from_env as temporal_from_env
 from ratchet.registry.urls import RegistryURLError, registry_url
-from ratchet.storage import ObjectStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.storage.s3_env import S3Settings, StorageConfigError, redact
 from tests.s3_server import ACCESS_KEY, SECRET_KEY, moto_server, s3_env  # noqa: F401
 

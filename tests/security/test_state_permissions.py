@@ -22,7 +22,7 @@ import pytest
 
 from ratchet.platform.services import ServiceError, ServiceSettings, processes
 from ratchet.platform.services.state import LOCK_FILE, locked, save_state
-from ratchet.storage import ObjectStore
+from ratchet.storage.object_store import ObjectStore
 
 
 @pytest.fixture(autouse=True)

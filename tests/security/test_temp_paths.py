@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ratchet.ids import InvalidId
-from ratchet.storage import ObjectStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.workers import hf_io
 from ratchet.workers.hf_io import MANIFEST, CorruptModel, local_hf_path, save_hf
 from ratchet.workers.local_paths import ENV_VAR, UnsafeLocalDir, models_dir, private_base, staging_dir

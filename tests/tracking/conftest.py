@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from ratchet import types as t
-from ratchet.storage import MetricsLog, ObjectStore, RunLayout
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.tracking import dispatch
 
 

@@ -12,9 +12,11 @@ import torch
 from ratchet.config import ConfigError, load_config
 from ratchet.tasks.generate import write_task_parquet
 from ratchet.workers.batch import ScoredStep
-from ratchet.storage import ObjectStore, RunLayout
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.workers.critic import CriticTrainer, CriticWorker, critic_backbone
-from ratchet.workers.engines import HFEngine, SamplingParams
+from ratchet.workers.engines.hf import HFEngine
+from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.policy_update import PolicyTrainer
 from ratchet.workers.prompts import PromptSet
 from ratchet.workers.rollout_batching import generate_batch

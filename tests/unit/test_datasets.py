@@ -23,7 +23,8 @@ from ratchet.data.files import DatasetFileError, dataset_format, read_dataset
 from ratchet.data.order import data_order_seed, epoch_order
 from ratchet.data.prompt_format import encode_prompts, resolve_prompt_format
 from ratchet.models.tiny import VOCAB
-from ratchet.storage import MetricsLog, ObjectStore
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
 from ratchet.tasks.generate import make_rows
 from ratchet.tasks.loading import RewardFunction, RewardLoadError, load_reward_fn
 from ratchet.workers.batch import RolloutBatch
@@ -250,7 +251,8 @@ def test_data_order_seed_from_config():
 def test_workflow_and_local_loop_draw_the_same_shuffled_prompts(tiny_model, tmp_path, tokenizer):
     """The rollout worker's batch 3 (prompt start 6) and the local loop's step 3 get the rows
     `prompt_indices(6, 2, rows, seed)`, not rows 6 and 7 of the file."""
-    from ratchet.workers.engines import ENGINES, HFEngine
+    from ratchet.workers.engines import ENGINES
+    from ratchet.workers.engines.hf import HFEngine
     from ratchet.workers.local_loop import LocalLoop
     from ratchet.workers.rollout import RolloutWorker
 

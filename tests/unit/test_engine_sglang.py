@@ -18,7 +18,8 @@ import torch
 
 from ratchet.config.schema import RunConfig
 from ratchet.models.tiny import VOCAB
-from ratchet.workers.engines import SamplingParams, build_engine
+from ratchet.workers.engines.base import SamplingParams
+from ratchet.workers.engines.build import build_engine
 from ratchet.workers.engines.serving import request_seed
 from ratchet.workers.engines.sglang import SGLangEngine
 

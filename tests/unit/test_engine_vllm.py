@@ -19,10 +19,11 @@ import torch
 
 from ratchet.config.schema import RunConfig
 from ratchet.models.tiny import VOCAB
-from ratchet.storage import BatchStore
+from ratchet.storage.batch_store import BatchStore
 from ratchet.tasks.generate import write_task_parquet
 from ratchet.workers.batch import RolloutBatch
-from ratchet.workers.engines import HFEngine, SamplingParams
+from ratchet.workers.engines.hf import HFEngine
+from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_logprobs
 from ratchet.workers.rollout_batching import generate_batch
 

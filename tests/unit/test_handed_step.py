@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 from ratchet.models.tiny import VOCAB
-from ratchet.storage import BatchStore, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.workers.batch import HandedStep, RolloutBatch, StepScores, load_step, score_summary
 from ratchet.workers.results import RolloutShare
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ratchet.algorithms import ADV_ESTIMATORS, AdvInputs, AdvParams, sequence_rewards_to_tokens, sum_pi_squared
+from ratchet.algorithms import ADV_ESTIMATORS
+from ratchet.algorithms.advantages import AdvInputs, AdvParams, sequence_rewards_to_tokens
+from ratchet.algorithms.advantages_outcome import sum_pi_squared
 from ratchet.models.tiny import VOCAB
 from ratchet.workers.batch import RolloutBatch, ScoredStep
 from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_logprobs

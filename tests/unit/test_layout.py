@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.storage import BatchStore, CheckpointStore, CorruptCheckpoint, MetricsLog, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.checkpoint_store import CheckpointStore, CorruptCheckpoint
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.storage.keys import check_key
 from ratchet.storage.manifest import CHECKPOINT, MODEL, BadManifest, FileEntry, Manifest
 

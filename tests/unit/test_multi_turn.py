@@ -20,7 +20,8 @@ from ratchet.tasks.tool_tasks import compute_score, write_tool_add_jsonl
 from ratchet.tools.calculator import Calculator
 from ratchet.tools.parsing import HermesFormat, WordsFormat
 from ratchet.workers.batch import RolloutBatch
-from ratchet.workers.engines import Generation, HFEngine, SamplingParams
+from ratchet.workers.engines.base import Generation, SamplingParams
+from ratchet.workers.engines.hf import HFEngine
 from ratchet.workers.multi_turn import MAX_TOKENS, MAX_TURNS, NO_CALL, MultiTurnRollout
 from ratchet.workers.policy_update import response_logits, token_logprobs
 from ratchet.workers.prompts import PromptSet

@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from ratchet.config.schema import RunConfig
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.tasks.generate import write_task_parquet
 from ratchet.workers.batch import RolloutBatch
-from ratchet.workers.engines import HFEngine, SamplingParams
+from ratchet.workers.engines.hf import HFEngine
+from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.rollout import RolloutWorker
 
 torch.set_num_threads(1)

@@ -128,7 +128,7 @@ def test_a_resumed_stage_equals_an_uninterrupted_one(tmp_path, tiny_model):
     end with the weights of one chunk [0, 2): what a retried or resumed chunk relies on."""
     from safetensors.torch import load_file
 
-    from ratchet.storage import ObjectStore
+    from ratchet.storage.object_store import ObjectStore
     from ratchet.workers.supervised import ChunkRequest, run_chunk
 
     data = write_pipeline_data(tmp_path / "data", train=32, held_out=8)

@@ -18,10 +18,12 @@ import torch
 from ratchet.config.schema import RunConfig
 from ratchet.catalog import registry
 from ratchet.catalog import storage_schemes as schemes
-from ratchet.storage import ObjectStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.storage.fsspec_backend import FsspecBackend, open_fsspec
 from ratchet.tasks.generate import write_task_parquet
-from ratchet.workers.engines import ENGINES, Engine, HFEngine
+from ratchet.workers.engines import ENGINES
+from ratchet.workers.engines.base import Engine
+from ratchet.workers.engines.hf import HFEngine
 from ratchet.catalog.loop_modes import LOOP_MODES
 
 torch.set_num_threads(1)

@@ -10,7 +10,8 @@ import torch
 
 from ratchet.workers.actors.rollout_pool import Share, plan_shares, split_by_load
 from ratchet.workers.batch import RolloutBatch
-from ratchet.workers.engines import HFEngine, SamplingParams
+from ratchet.workers.engines.hf import HFEngine
+from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.prompts import PromptSet
 from ratchet.workers.batch_seeds import prompt_seeds
 from ratchet.workers.rollout_batching import generate_batch

@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from ratchet.algorithms import AdvInputs, AdvParams, sequence_rewards_to_tokens
+from ratchet.algorithms.advantages import AdvInputs, AdvParams, sequence_rewards_to_tokens
 from ratchet.algorithms.advantages import grpo
 from ratchet.config import load_config
 from ratchet.config.loader import ConfigError
 from ratchet.errors import NonFiniteError, RewardFunctionError
 from ratchet.models.tiny import VOCAB
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.workers.batch import HandedStep, RolloutBatch, ScoredStep, StepScores, load_step, save_scores, score_summary
-from ratchet.workers.engines import HFEngine, SamplingParams
+from ratchet.workers.engines.hf import HFEngine
+from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.policy_update import PolicyTrainer
 from ratchet.workers.prompts import PromptSet
 from ratchet.workers.rollout_batching import generate_batch

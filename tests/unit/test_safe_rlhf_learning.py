@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ratchet.config import load_config
-from ratchet.storage import ObjectStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.workers.local_loop import LocalLoop
 from ratchet.workers.warmup import warmup_policy
 

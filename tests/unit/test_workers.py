@@ -15,11 +15,13 @@ import torch
 
 from ratchet.config.schema import RunConfig
 from ratchet.models.tiny import VOCAB
-from ratchet.storage import BatchStore, ObjectStore
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.tasks.generate import write_task_parquet
 from ratchet.tasks.rewards import compute_score, digit_match_score
 from ratchet.workers.batch import RolloutBatch, ScoredStep, load_scores, save_scores
-from ratchet.workers.engines import HFEngine, SamplingParams
+from ratchet.workers.engines.hf import HFEngine
+from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_logprobs
 from ratchet.workers.prompts import PromptSet
 from ratchet.workers.batch_seeds import prompt_indices, prompt_seeds

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 
 from ratchet import types as t
 from ratchet.extras import missing_message
-from ratchet.registry import registry_enabled, registry_url, safe_url
-from ratchet.storage import MetricsLog, ObjectStore
+from ratchet.registry.urls import registry_enabled, registry_url, safe_url
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
 
 if TYPE_CHECKING:
-    from ratchet.registry import Registry
+    from ratchet.registry.db import Registry
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., None])
@@ -53,7 +54,7 @@ def registry() -> Registry | None:
             )
             _said_not_installed = True
         return None
-    from ratchet.registry import Registry
+    from ratchet.registry.db import Registry
 
     url = registry_url()
     with _lock:
@@ -102,7 +103,7 @@ def run_prepared(inp: t.PrepareInput, stored_config: dict[str, Any], digest: str
     if reg is None:
         return
     lineage = inp.lineage or t.RunLineage()
-    from ratchet.registry import RunRecord
+    from ratchet.registry.records import RunRecord
     from ratchet.registry.rebuild import describe_config
 
     described = describe_config(inp.run_id, stored_config)

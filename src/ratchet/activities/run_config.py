@@ -6,7 +6,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ratchet.config.schema import RunConfig
-from ratchet.storage import ObjectStore, RunLayout
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 
 
 @lru_cache(maxsize=64)

@@ -14,7 +14,7 @@ from temporalio import activity
 
 from ratchet.ids import check_id
 from ratchet.pipeline_types import ChunkInput, ChunkOutput
-from ratchet.storage import ObjectStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.workers.supervised import STAGE_CONFIG, ChunkRequest, run_chunk
 
 from .ray_calls import wait

@@ -33,7 +33,8 @@ from temporalio.exceptions import ApplicationError
 from ratchet.config.loader import ConfigError
 from ratchet.config.sweep_spec import ParamSpace, SweepSpec, trial_config, trial_params
 from ratchet.ids import check_id
-from ratchet.storage import MetricsLog, ObjectStore
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
 from ratchet.sweep_types import (
     FinishTrialInput,
     PlanTrialInput,
@@ -57,14 +58,14 @@ _ask_lock = threading.Lock()  # one ask at a time per process: a retried ask fin
 
 @lru_cache(maxsize=4)
 def _registry(url: str):
-    from ratchet.registry import Registry
+    from ratchet.registry.db import Registry
 
     return Registry.open(url)
 
 
 def registry():
     """The run registry this worker writes (RATCHET_REGISTRY_URL, else the state folder's SQLite)."""
-    from ratchet.registry import registry_url
+    from ratchet.registry.urls import registry_url
 
     return _registry(registry_url())
 
@@ -114,7 +115,7 @@ def _storage(url: str):
 
 
 def optuna_storage():
-    from ratchet.registry import registry_url
+    from ratchet.registry.urls import registry_url
 
     return _storage(optuna_url(registry_url()))
 
@@ -211,7 +212,7 @@ def _spec(raw: dict) -> SweepSpec:
 @activity.defn(name="sweep_begin")
 def sweep_begin(inp: SweepBeginInput) -> None:
     """Record the sweep (running) and create its Optuna study."""
-    from ratchet.registry import SweepRecord
+    from ratchet.registry.records import SweepRecord
 
     spec = _spec(inp.spec)
     registry().record_sweep(
@@ -231,7 +232,7 @@ def sweep_begin(inp: SweepBeginInput) -> None:
 def plan_trial(inp: PlanTrialInput) -> TrialPlan:
     """Trial k's values (Optuna), its validated config and loop plan; the trial recorded as running."""
     from ratchet.config.loop_plan import loop_plan
-    from ratchet.registry import TrialRecord
+    from ratchet.registry.records import TrialRecord
 
     spec = _spec(inp.spec)
     run_id = check_id(trial_run_id(inp.sweep_id, inp.trial_index), "trial run id")
@@ -309,7 +310,7 @@ def objective_value(spec: SweepSpec, inp: FinishTrialInput) -> float | None:
 @activity.defn(name="finish_trial")
 def finish_trial(inp: FinishTrialInput) -> TrialResult:
     """The trial's objective, told to Optuna and recorded in the registry (once: upserts)."""
-    from ratchet.registry import TRIAL_STATES, TrialRecord
+    from ratchet.registry.records import TRIAL_STATES, TrialRecord
 
     spec = _spec(inp.spec)
     value = objective_value(spec, inp) if inp.state in ("completed", "pruned", "cancelled") and inp.steps > 0 else None

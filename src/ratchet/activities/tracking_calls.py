@@ -71,7 +71,8 @@ def run_finished(inp: t.FinishInput) -> None:
     run = inp.run
 
     def call(d) -> None:
-        from ratchet.storage import MetricsLog, ObjectStore
+        from ratchet.storage.metrics_log import MetricsLog
+        from ratchet.storage.object_store import ObjectStore
         from ratchet.tracking import summarize
 
         tracking = d.get(run.run_id, _opener(run.run_id, run.run_uri))

@@ -17,7 +17,10 @@ import temporalio.converter
 from temporalio import activity
 
 from ratchet.config.schema import RunConfig
-from ratchet.storage import BatchStore, MetricsLog, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet import types as t
 from ratchet.ids import check_id
 from ratchet.workers.actors import RunActors, release_run_actors

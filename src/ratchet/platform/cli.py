@@ -417,7 +417,9 @@ def checkpoints(run_id: str, root: Optional[str] = RootOption) -> None:
     """List a run's committed checkpoints, oldest first, and whether each is intact."""
     from rich.table import Table
 
-    from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
+    from ratchet.storage.checkpoint_store import CheckpointStore
+    from ratchet.storage.object_store import ObjectStore
+    from ratchet.storage.layout import RunLayout
 
     run_store = ObjectStore(root or RunLayout.DEFAULT_ROOT).child(_checked_id(run_id))
     store = CheckpointStore(run_store)
@@ -442,7 +444,7 @@ def checkpoints(run_id: str, root: Optional[str] = RootOption) -> None:
 def _exit_unless_checkpoints(store, run_store, run_id: str, root: str) -> None:
     """Say and exit when there is nothing to list: no run folder under `root` (exit 2,
     naming the root: a wrong --root or run id), or a run with no checkpoint yet (exit 0)."""
-    from ratchet.storage import RunLayout
+    from ratchet.storage.layout import RunLayout
 
     if store.list():
         return
@@ -625,7 +627,7 @@ def _open_registry(url: Optional[str], state_dir: Optional[Path]):
     require("registry")
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ratchet.registry import RegistryURLError, registry_url, safe_url
+    from ratchet.registry.urls import RegistryURLError, registry_url, safe_url
 
     from .runs_view import open_registry
 
@@ -663,7 +665,8 @@ def runs(
     from ratchet.extras import require
 
     require("registry")
-    from ratchet.registry import RUN_STATUSES, SORT_KEYS
+    from ratchet.registry.records import RUN_STATUSES
+    from ratchet.registry.db import SORT_KEYS
 
     from .runs_view import curves_table, diff_table, runs_table
     from .tables import show
@@ -743,7 +746,7 @@ def registry_rebuild(
     from rich.markup import escape
     from rich.progress import Progress
 
-    from ratchet.registry import rebuild_from_store
+    from ratchet.registry.rebuild import rebuild_from_store
 
     reg = _open_registry(url, state_dir)
     with Progress(console=console, transient=True) as bar:

@@ -271,7 +271,7 @@ class Client:
         folder; the steps after the checkpoint are done again, and checkpoints newer than
         it are retired (`RETIRED.json`, see CheckpointStore.retire) once the resumed run
         has started. A run that is still open (running or paused) is refused: RunIsLive."""
-        from ratchet.storage import CheckpointStore
+        from ratchet.storage.checkpoint_store import CheckpointStore
         from ratchet.storage.layout import RunLayout
 
         check_id(run_id)

@@ -27,7 +27,7 @@ from .stored_runs import make_run_id, read_run_state, stored_config_with
 from .taken_ids import check_new_run_id
 
 if TYPE_CHECKING:
-    from ratchet.storage import ObjectStore
+    from ratchet.storage.object_store import ObjectStore
 
     from .taken_ids import KnowsWorkflows
 
@@ -77,7 +77,8 @@ def prepare_fork(
     holding the copied checkpoint; `client` only answers whether the child's id is taken."""
     from ratchet.config.live_keys import without
     from ratchet.config.loop_plan import loop_plan
-    from ratchet.storage import CheckpointStore, ObjectStore
+    from ratchet.storage.checkpoint_store import CheckpointStore
+    from ratchet.storage.object_store import ObjectStore
     from ratchet.storage.layout import RunLayout
 
     check_id(run_id)

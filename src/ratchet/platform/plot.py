@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ratchet.storage import ObjectStore, RunLayout
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 
 # (title, metrics.jsonl key) of the panels against step; the key names are those of
 # workflows/scheduling.step_metrics and the trainer's metrics.

@@ -24,7 +24,7 @@ CURVE_METRICS = ("reward_mean", "eval_reward")
 def open_registry(url: str | None = None, state_dir: Path | None = None):
     """The registry at `url`; else RATCHET_REGISTRY_URL; else SQLite in `state_dir` (the
     CLI's --state-dir) or the default state folder."""
-    from ratchet.registry import Registry
+    from ratchet.registry.db import Registry
     from ratchet.registry.urls import ENV, sqlite_url
     import os
 
@@ -104,7 +104,9 @@ def diff_table(a: RunRecord, b: RunRecord) -> Table:
 
 def read_metrics(record: RunRecord, root: str | None = None) -> list[dict[str, Any]]:
     """The run's metrics.jsonl lines, from `root` or the storage.root in its config."""
-    from ratchet.storage import MetricsLog, ObjectStore, RunLayout
+    from ratchet.storage.metrics_log import MetricsLog
+    from ratchet.storage.object_store import ObjectStore
+    from ratchet.storage.layout import RunLayout
 
     storage_root = root or (record.config.get("storage") or {}).get("root") or RunLayout.DEFAULT_ROOT
     try:

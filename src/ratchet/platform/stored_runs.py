@@ -47,7 +47,7 @@ def stored_config_with(run_id: str, root: str | None, overrides: Sequence[str]):
     resume and a fork both start from): (run folder, stored config, new config, changed keys)."""
     from ratchet.config import load_config
     from ratchet.config.resume_keys import check_resume_changes
-    from ratchet.storage import ObjectStore
+    from ratchet.storage.object_store import ObjectStore
     from ratchet.storage.layout import RunLayout
 
     root = root or RunLayout.DEFAULT_ROOT

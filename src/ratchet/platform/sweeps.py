@@ -120,7 +120,7 @@ class SweepHandle(WorkflowHandle):
 
 def sweep_records(sweep_id: str | None = None, *, url: str | None = None):
     """(sweeps, trials of `sweep_id`) from the run registry (RATCHET_REGISTRY_URL or the state folder's)."""
-    from ratchet.registry import Registry
+    from ratchet.registry.db import Registry
 
     with Registry.open(url) as reg:
         if sweep_id is None:

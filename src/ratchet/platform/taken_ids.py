@@ -61,7 +61,7 @@ def check_new_sweep_id(client: KnowsWorkflows, sweep_id: str, first_trial_id: st
 def _taken(client: KnowsWorkflows, kind: str, key: str, folder: str, storage_root: str, folder_says: str) -> list[str]:
     """Where `key` is taken, in words: Temporal, the folder `folder` under `storage_root`,
     the registry's `kind` ("run" | "sweep") rows. [] when nowhere."""
-    from ratchet.storage import ObjectStore
+    from ratchet.storage.object_store import ObjectStore
 
     where = []
     status = client.workflow_status(key)
@@ -90,7 +90,7 @@ def _in_registry(kind: str, key: str) -> bool:
         if not database or database == ":memory:" or not Path(database).expanduser().exists():
             return False
     try:
-        from ratchet.registry import Registry
+        from ratchet.registry.db import Registry
 
         with Registry.open(url, upgrade=False) as reg:
             return (reg.run(key) if kind == "run" else reg.sweep(key)) is not None

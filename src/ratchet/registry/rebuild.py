@@ -94,7 +94,7 @@ def _parse_time(text: str) -> datetime | None:
 
 def committed_checkpoints(run_store: Any) -> list[CheckpointRecord]:
     """The run's committed checkpoints (manifests present), as registry records."""
-    from ratchet.storage import CheckpointStore
+    from ratchet.storage.checkpoint_store import CheckpointStore
 
     out = []
     for info in CheckpointStore(run_store).list():
@@ -111,7 +111,7 @@ _LINEAGE_FIELDS = ("parent_run_id", "parent_checkpoint", "sweep_id", "trial_inde
 def _lineage(run_store: Any, existing: RunRecord | None) -> dict[str, Any]:
     """The run's parent and sweep: from its `lineage.json` (written at prepare_run), else
     from the row the registry already had (runs from before that file existed)."""
-    from ratchet.storage import RunLayout
+    from ratchet.storage.layout import RunLayout
 
     stored: dict[str, Any] = {}
     if run_store.exists(RunLayout.LINEAGE):
@@ -137,7 +137,8 @@ def rebuild_from_store(
     is skipped with its reason (`report.skipped`) and the others go on; a torn line in a
     run's `metrics.jsonl` is skipped (`report.skipped_lines`) and the run recorded from the
     lines that read."""
-    from ratchet.storage import ObjectStore, RunLayout
+    from ratchet.storage.object_store import ObjectStore
+    from ratchet.storage.layout import RunLayout
 
     store = ObjectStore(root)
     report = RebuildReport()
@@ -162,7 +163,8 @@ def rebuild_from_store(
 
 def _rebuild_run(registry: Registry, store: Any, run_id: str, report: RebuildReport) -> None:
     """Record one run folder (see `rebuild_from_store`); raises when it cannot."""
-    from ratchet.storage import MetricsLog, RunLayout
+    from ratchet.storage.metrics_log import MetricsLog
+    from ratchet.storage.layout import RunLayout
 
     run_store = store.child(run_id)
     config = run_store.get_json(RunLayout.CONFIG)  # a bad id or unreadable JSON: not a run folder ratchet wrote

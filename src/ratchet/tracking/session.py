@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from ratchet.config.schema import TrackingConfig
-from ratchet.storage import MetricsLog, ObjectStore, RunLayout
+from ratchet.storage.metrics_log import MetricsLog
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.types import RunLineage
 
 from .base import RunInfo, Tracker, numeric_metrics

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ratchet.algorithms import dynamic_sampling_keep, remax_baselines, response_span_lengths
+from ratchet.algorithms.dapo import dynamic_sampling_keep
+from ratchet.algorithms.advantages import remax_baselines, response_span_lengths
 
 from .columns import Fields, Parts, part_name
 from .results import ScoreResult
@@ -22,7 +23,7 @@ from .results import ScoreResult
 if TYPE_CHECKING:
     # Only the type: the batch's save/load take the store they are given, so the trainer's
     # math (and the GPU check, on a machine without tenacity) never imports the storage layer.
-    from ratchet.storage import BatchStore
+    from ratchet.storage.batch_store import BatchStore
 
 TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs", "policy_version", "prompt_index")
 

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ratchet.storage import RunLayout
+from ratchet.storage.layout import RunLayout
 
 from .lora import adapter_only, check_adapter_loaded, check_restore, checkpoint_record
 

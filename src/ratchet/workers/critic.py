@@ -27,10 +27,13 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ratchet.algorithms import masked_mean, value_clipped, value_loss
+from ratchet.algorithms.aggregation import masked_mean
+from ratchet.algorithms.policy_losses import value_clipped, value_loss
 from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
-from ratchet.storage import BatchStore, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.start_up_gc import during_start_up
 
 from .batch import RolloutBatch, load_step

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from ratchet.storage import ObjectStore
+from ratchet.storage.object_store import ObjectStore
 from ratchet.storage.manifest import MODEL, BadManifest, FileEntry, Manifest
 
 from .local_paths import ensure_private_dir, models_dir

@@ -16,12 +16,14 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ratchet.algorithms import ADV_ESTIMATORS, remax_baselines
+from ratchet.algorithms import ADV_ESTIMATORS
+from ratchet.algorithms.advantages import remax_baselines
 from ratchet.data.order import data_order_seed
 from ratchet.tasks.loading import load_reward_fn
 
 from .batch import ScoredStep
-from .engines import Engine, SamplingParams, build_engine
+from ratchet.workers.engines.base import Engine, SamplingParams
+from ratchet.workers.engines.build import build_engine
 from .policy_update import PolicyTrainer
 from .prompts import PromptSet
 from .rollout_filter import RolloutFilter

@@ -42,7 +42,7 @@ from ratchet.tools.parsing import CallFormat, call_format
 
 from .batch import RolloutBatch, SampleRow
 from .batch_seeds import prompt_seeds
-from .engines import Engine, Generation, SamplingParams, WeightSwap
+from ratchet.workers.engines.base import Engine, Generation, SamplingParams, WeightSwap
 
 if TYPE_CHECKING:
     from .prompts import PromptSet

@@ -51,25 +51,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ratchet.algorithms import (
-    ADV_ESTIMATORS,
-    LOSS_AGGREGATIONS,
-    POLICY_LOSSES,
-    AdaptiveKLController,
-    AdvInputs,
-    AdvParams,
-    LossParams,
-    Normaliser,
-    apply_kl_in_reward,
-    dynamic_sampling_keep,
-    entropy_from_logits,
-    kl_penalty,
-    off_policy_correction,
-    overlong_penalty,
-    response_span_lengths,
-    sequence_rewards_to_tokens,
-    sum_pi_squared,
-)
+from ratchet.algorithms import ADV_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from ratchet.algorithms.kl import AdaptiveKLController, apply_kl_in_reward, kl_penalty
+from ratchet.algorithms.advantages import AdvInputs, AdvParams, response_span_lengths, sequence_rewards_to_tokens
+from ratchet.algorithms.policy_losses import LossParams, entropy_from_logits
+from ratchet.algorithms.aggregation import Normaliser
+from ratchet.algorithms.dapo import dynamic_sampling_keep, overlong_penalty
+from ratchet.algorithms.off_policy import off_policy_correction
+from ratchet.algorithms.advantages_outcome import sum_pi_squared
 from ratchet.algorithms.off_policy_settings import as_is_weights, as_rejection
 from ratchet.errors import NonFiniteError
 
@@ -488,8 +477,7 @@ class PolicyTrainer:
         new_coef = kl_coef
         if alg.kl.target is not None and ref is not None:
             controller = AdaptiveKLController(init_coef=kl_coef, target=alg.kl.target, horizon=alg.kl.horizon)
-            controller.update(kl_in_reward if alg.kl.in_reward else metrics.get("kl", 0.0), n_steps=len(batch))
-            new_coef = controller.coef
+            new_coef = controller.update(kl_in_reward if alg.kl.in_reward else metrics.get("kl", 0.0), n_steps=len(batch))
         metrics.update(
             grad_norm=float(np.mean(grad_norms)) if grad_norms else 0.0,
             adv_abs_mean=(adv_out.advantages.abs().sum() / mask.sum().clamp(min=1)).item(),

@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ratchet.storage import CheckpointStore, ObjectStore, RunLayout
+from ratchet.storage.checkpoint_store import CheckpointStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 
 from .hf_io import upload_hf_folder, write_hf_folder
 from .local_paths import restore_dir, staging_dir
@@ -225,7 +227,7 @@ class RankCheckpoints:
         If any rank found a file that does not match the manifest, no rank loads and every
         rank returns the problems (the caller tries an older checkpoint). Any other
         failure of a rank fails the call on every rank."""
-        from ratchet.storage import CorruptCheckpoint
+        from ratchet.storage.checkpoint_store import CorruptCheckpoint
 
         from .checkpointing import StoreRestore, all_ranks
 

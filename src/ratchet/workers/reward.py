@@ -9,9 +9,11 @@ import time
 
 import torch
 
-from ratchet.algorithms import dynamic_sampling_keep
+from ratchet.algorithms.dapo import dynamic_sampling_keep
 from ratchet.config.schema import RunConfig
-from ratchet.storage import BatchStore, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.tasks.loading import load_reward_fn
 from ratchet.start_up_gc import during_start_up
 

@@ -23,12 +23,15 @@ from ratchet.algorithms import ADV_ESTIMATORS
 from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.schema import RunConfig
 from ratchet.data.order import data_order_seed
-from ratchet.storage import BatchStore, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.start_up_gc import during_start_up
 
 from .batch import RolloutBatch
 from .columns import Parts, part_name
-from .engines import SamplingParams, build_engine
+from ratchet.workers.engines.base import SamplingParams
+from ratchet.workers.engines.build import build_engine
 from .hf_io import local_hf_path
 from .multi_turn import MultiTurnRollout
 from .prompts import PromptSet

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from .batch import RolloutBatch, SampleRow
 from .batch_seeds import prompt_seeds
-from .engines import Engine, SamplingParams, WeightSwap
+from ratchet.workers.engines.base import Engine, SamplingParams, WeightSwap
 from .prompts import PromptSet
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from ratchet.algorithms import AdvInputs, AdvOutput, AdvParams, sequence_rewards_to_tokens
+from ratchet.algorithms.advantages import AdvInputs, AdvOutput, AdvParams, sequence_rewards_to_tokens
 from ratchet.algorithms.safe_rlhf import combined_advantages, lagrange_update
 from ratchet.errors import NonFiniteError
 from ratchet.tasks.loading import load_reward_fn

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ratchet.algorithms import response_span_lengths
+from ratchet.algorithms.advantages import response_span_lengths
 from ratchet.errors import NonFiniteError, RewardFunctionError
 from ratchet.tasks.loading import RewardFunction
 

@@ -31,7 +31,9 @@ import ray
 
 from ratchet.config.schema import RunConfig
 from ratchet.errors import NonFiniteError
-from ratchet.storage import BatchStore, ObjectStore, RunLayout
+from ratchet.storage.batch_store import BatchStore
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 from ratchet.start_up_gc import during_start_up
 
 from .background import BackgroundCall

@@ -55,7 +55,8 @@ def warmup_policy(cfg, base_model_path: str, run_uri: str) -> WarmupResult:
     Idempotent: a retried call finds the committed model (its manifest) and returns it."""
     import time
 
-    from ratchet.storage import ObjectStore, RunLayout
+    from ratchet.storage.object_store import ObjectStore
+    from ratchet.storage.layout import RunLayout
 
     from .hf_io import MANIFEST, save_hf
     from .runtime import configure_worker_process

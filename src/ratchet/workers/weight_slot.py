@@ -19,14 +19,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ratchet.storage import ObjectStore, RunLayout
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 
 from .weight_sync import SafetensorsSource, SafetensorsWriter, WeightSource, check_names, pairs
 
 if TYPE_CHECKING:
     from ratchet.config.schema import RunConfig
 
-    from .engines import Engine
+    from ratchet.workers.engines.base import Engine
 
 log = logging.getLogger(__name__)
 

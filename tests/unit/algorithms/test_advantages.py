@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ratchet.algorithms import (
-    ADV_ESTIMATORS,
+from ratchet.algorithms import ADV_ESTIMATORS
+from ratchet.algorithms.advantages import (
     AdvInputs,
     AdvParams,
     discounted_returns,

@@ -9,17 +9,10 @@ import math
 import pytest
 import torch
 
-from ratchet.algorithms import (
-    ADV_ESTIMATORS,
-    LOSS_AGGREGATIONS,
-    AdvInputs,
-    AdvParams,
-    Normaliser,
-    last_token_index,
-    response_span_lengths,
-    sequence_rewards_to_tokens,
-    sum_pi_squared,
-)
+from ratchet.algorithms import ADV_ESTIMATORS, LOSS_AGGREGATIONS
+from ratchet.algorithms.advantages import AdvInputs, AdvParams, last_token_index, response_span_lengths, sequence_rewards_to_tokens
+from ratchet.algorithms.aggregation import Normaliser
+from ratchet.algorithms.advantages_outcome import sum_pi_squared
 
 from ...tensor_checks import close, lengths_mask
 from .helpers import finite

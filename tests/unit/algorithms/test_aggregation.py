@@ -8,7 +8,9 @@ import socket
 import pytest
 import torch
 
-from ratchet.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossParams, Normaliser, masked_mean
+from ratchet.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES
+from ratchet.algorithms.policy_losses import LossParams
+from ratchet.algorithms.aggregation import Normaliser, masked_mean
 
 from ...tensor_checks import close, lengths_mask
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ratchet.algorithms import dynamic_sampling_keep, overlong_penalty
+from ratchet.algorithms.dapo import dynamic_sampling_keep, overlong_penalty
 
 from ...tensor_checks import close
 

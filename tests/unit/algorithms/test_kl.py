@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from ratchet.algorithms import KL_ESTIMATORS, AdaptiveKLController, apply_kl_in_reward, kl_penalty
+from ratchet.algorithms import KL_ESTIMATORS
+from ratchet.algorithms.kl import AdaptiveKLController, apply_kl_in_reward, kl_penalty
 
 from ...tensor_checks import close, lengths_mask
 from .helpers import finite

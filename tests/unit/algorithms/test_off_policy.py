@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from ratchet.algorithms import OFF_POLICY, off_policy_correction
+from ratchet.algorithms import OFF_POLICY
+from ratchet.algorithms.off_policy import off_policy_correction
 
 from ...tensor_checks import close, lengths_mask
 from .helpers import finite

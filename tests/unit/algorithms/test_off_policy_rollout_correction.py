@@ -10,7 +10,10 @@ import math
 import pytest
 import torch
 
-from ratchet.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossParams, Normaliser, off_policy_correction
+from ratchet.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES
+from ratchet.algorithms.policy_losses import LossParams
+from ratchet.algorithms.aggregation import Normaliser
+from ratchet.algorithms.off_policy import off_policy_correction
 from ratchet.algorithms.off_policy_settings import ISWeights, RejectionCriterion
 from ratchet.platform.services import free_ports
 

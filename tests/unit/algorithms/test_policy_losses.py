@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from ratchet.algorithms import POLICY_LOSSES, LossParams, entropy_from_logits, value_clipped, value_loss
+from ratchet.algorithms import POLICY_LOSSES
+from ratchet.algorithms.policy_losses import LossParams, entropy_from_logits, value_clipped, value_loss
 
 from ...tensor_checks import close, lengths_mask
 from .helpers import finite

@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from ratchet.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES, LossParams, Normaliser
+from ratchet.algorithms import LOSS_AGGREGATIONS, POLICY_LOSSES
+from ratchet.algorithms.policy_losses import LossParams
+from ratchet.algorithms.aggregation import Normaliser
 from ratchet.algorithms.policy_losses_cov import clip_cov_select, kl_cov_select, token_covariance
 from ratchet.algorithms.policy_losses_verl import binary_kl
 

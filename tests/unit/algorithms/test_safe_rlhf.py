@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ratchet.algorithms import AdvInputs, AdvParams, LossParams, sequence_rewards_to_tokens
+from ratchet.algorithms.advantages import AdvInputs, AdvParams, sequence_rewards_to_tokens
+from ratchet.algorithms.policy_losses import LossParams
 from ratchet.algorithms.advantages import grpo
 from ratchet.algorithms.policy_losses import ppo_clip
 from ratchet.algorithms.safe_rlhf import combined_advantages, lagrange_update, lagrangian_lambda_loss

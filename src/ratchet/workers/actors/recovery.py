@@ -16,7 +16,9 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ratchet.errors import WorkerLost
-from ratchet.storage import CheckpointStore, CorruptCheckpoint, ObjectStore, RunLayout
+from ratchet.storage.checkpoint_store import CheckpointStore, CorruptCheckpoint
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 
 from .names import Role, kill_named
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ratchet.errors import RewardTimeout
-from ratchet.storage import RunLayout
+from ratchet.storage.layout import RunLayout
 
 from ..results import ScoreResult
 from ..reward import RewardWorker

@@ -22,7 +22,8 @@ from ratchet.catalog.weight_transports import WEIGHT_TRANSPORTS
 from ratchet.config.placement_plan import PlacementPlan, plan_placement
 from ratchet.config.sync_transport import choose_transport
 from ratchet.config.schema import RunConfig
-from ratchet.storage import ObjectStore, RunLayout
+from ratchet.storage.object_store import ObjectStore
+from ratchet.storage.layout import RunLayout
 
 from ..results import EvalBatchResult, ScoreResult, TrainResult, WarmupResult
 from ..weight_sync.ray_transport import published_sync

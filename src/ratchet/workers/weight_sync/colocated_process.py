@@ -297,7 +297,7 @@ class _EngineServer:
         return self._hand_over(self.engine.wake_up)
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        from ..engines import SamplingParams
+        from ratchet.workers.engines.base import SamplingParams
 
         out = self.engine.generate(prompts, SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
         return [group[0].token_ids for group in out]
