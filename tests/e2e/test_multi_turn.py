@@ -99,7 +99,7 @@ def reference_batch(cfg, run_dir: Path, batch_index: int):
                             seed=sampling_seed(cfg.seed, batch_index, 0))  # fmt: skip
     indices = prompt_indices(batch_index * PROMPTS, PROMPTS, len(prompts), data_order_seed(cfg))
     driver = MultiTurnRollout.from_config(cfg, engine.tokenizer)
-    return generate_batch(engine, prompts, indices, params, policy_version=0, pad_id=engine.pad_id, multi_turn=driver)
+    return generate_batch(engine, prompts, indices, params, policy_version=0, multi_turn=driver)
 
 
 def test_killed_rollout_mid_conversation_loses_and_repeats_nothing(platform, tmp_path):

@@ -54,7 +54,7 @@ def test_critic_warmup_freezes_the_policy_then_releases_it(tiny_model, tmp_path)
     engine = HFEngine(str(tiny_model))
     data = write_task_parquet(tmp_path / "copy.parquet", "copy", 8, seed=0, min_len=4, max_len=4)
     prompts = PromptSet(str(data), engine.tokenizer, max_prompt_length=64)
-    batch = generate_batch(engine, prompts, [0, 1], SamplingParams(n=4, max_new_tokens=6, seed=3), policy_version=0, pad_id=engine.pad_id)
+    batch = generate_batch(engine, prompts, [0, 1], SamplingParams(n=4, max_new_tokens=6, seed=3), policy_version=0)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 0.25, 0.0])
     policy, critic = PolicyTrainer(str(tiny_model), cfg), CriticTrainer(cfg)
     start = {k: v.clone() for k, v in policy.full_state().items()}

@@ -166,7 +166,7 @@ def test_rollout_logprobs_agree_with_the_trainers(engine, tiny_model, worker, tr
     indices = list(range(8))
     params = SamplingParams(n=4, temperature=TEMPERATURE, max_new_tokens=12, seed=7)
     for name, eng in (("vllm", engine), ("hf", HFEngine(str(tiny_model)))):
-        batch = generate_batch(eng, worker.train, indices, params, policy_version=0, pad_id=eng.pad_id)
+        batch = generate_batch(eng, worker.train, indices, params, policy_version=0)
         assert int(batch.response_mask.sum()) > 100, name
         diff = max_logprob_diff(batch, trainer_logprobs(trainer, batch, TEMPERATURE))
         assert diff < LOGPROB_TOLERANCE, f"{name}: max |engine - trainer| log-prob {diff:.2e}"
@@ -185,7 +185,7 @@ def test_a_sync_makes_the_engine_sample_the_trainers_new_distribution(engine, wo
     try:
         engine.load_weights(iter(sent.items()))  # a lazy stream, as buckets arrive
         trainer.model.load_state_dict({k: torch.from_numpy(v) for k, v in new.items()})
-        batch = generate_batch(engine, worker.train, indices, params, policy_version=1, pad_id=engine.pad_id)
+        batch = generate_batch(engine, worker.train, indices, params, policy_version=1)
         assert max_logprob_diff(batch, trainer_logprobs(trainer, batch, TEMPERATURE)) < LOGPROB_TOLERANCE
         # ... and no longer the old one (prompt blocks cached under the old weights are gone too).
         trainer.model.load_state_dict({k: torch.from_numpy(v) for k, v in original.items()})
@@ -193,7 +193,7 @@ def test_a_sync_makes_the_engine_sample_the_trainers_new_distribution(engine, wo
     finally:
         engine.load_weights(original.items())
         trainer.model.load_state_dict({k: torch.from_numpy(v) for k, v in original.items()})
-    batch = generate_batch(engine, worker.train, indices, params, policy_version=0, pad_id=engine.pad_id)
+    batch = generate_batch(engine, worker.train, indices, params, policy_version=0)
     assert max_logprob_diff(batch, trainer_logprobs(trainer, batch, TEMPERATURE)) < LOGPROB_TOLERANCE
 
 

@@ -74,7 +74,7 @@ def test_every_conversation_calls_the_tool_and_has_holes(engine, tiny_model, too
 
     driver = words_driver(engine.tokenizer)
     params = SamplingParams(n=3, max_new_tokens=24, seed=11)
-    batch = generate_batch(engine, tool_prompts, list(range(6)), params, policy_version=0, pad_id=engine.pad_id, multi_turn=driver)
+    batch = generate_batch(engine, tool_prompts, list(range(6)), params, policy_version=0, multi_turn=driver)
     assert len(batch) == 18 and batch.prompt_index.tolist() == [i for i in range(6) for _ in range(3)]
     spans_agree_with_mask(batch)
     # The prompt opens the call: the first turn always completes it, so every row has a hole
@@ -114,13 +114,11 @@ def test_conversations_are_seeded_per_prompt(engine, tool_prompts):
     params = SamplingParams(n=2, max_new_tokens=24, seed=3)
 
     def run(indices, first=0):
-        return generate_batch(
-            engine, tool_prompts, indices, params, policy_version=0, pad_id=engine.pad_id, first_position=first, multi_turn=driver
-        )
+        return generate_batch(engine, tool_prompts, indices, params, policy_version=0, first_position=first, multi_turn=driver)
 
     whole = run([0, 1, 2, 3])
     again = run([0, 1, 2, 3])
-    split = RolloutBatch.concat([run([0, 1]), run([2, 3], first=2)], pad_id=engine.pad_id)
+    split = RolloutBatch.concat([run([0, 1]), run([2, 3], first=2)])
     for other in (again, split):
         assert torch.equal(whole.response_ids, other.response_ids) and torch.equal(whole.response_mask, other.response_mask)
         assert torch.allclose(whole.rollout_logprobs, other.rollout_logprobs, atol=1e-5)
@@ -188,7 +186,7 @@ def run_scripted(turns, *, max_turns=4, budget=400, tools=None, template=None, s
         max_tool_response_tokens=12, observation_template=template, max_response_length=budget,
     )  # fmt: skip
     params = SamplingParams(n=2, max_new_tokens=budget, seed=1)
-    batch = generate_batch(engine, Prompts("Q?", extra_info), [0], params, policy_version=0, pad_id=0, weight_swap=swap, multi_turn=driver)
+    batch = generate_batch(engine, Prompts("Q?", extra_info), [0], params, policy_version=0, weight_swap=swap, multi_turn=driver)
     return batch, engine
 
 

@@ -58,16 +58,43 @@ def test_a_split_batch_samples_what_one_engine_samples(engine_and_prompts, tempe
     engine, prompts = engine_and_prompts
     params = SamplingParams(n=4, max_new_tokens=8, seed=77, temperature=temperature, top_p=top_p)
     indices = list(range(10))
-    whole = generate_batch(engine, prompts, indices, params, policy_version=0, pad_id=engine.pad_id)
+    whole = generate_batch(engine, prompts, indices, params, policy_version=0)
     parts = [
-        generate_batch(engine, prompts, indices[a:b], params, policy_version=0, pad_id=engine.pad_id, first_position=a)
-        for a, b in ((0, 3), (3, 8), (8, 10))
+        generate_batch(engine, prompts, indices[a:b], params, policy_version=0, first_position=a) for a, b in ((0, 3), (3, 8), (8, 10))
     ]
-    joined = RolloutBatch.concat(parts, pad_id=engine.pad_id)
+    joined = RolloutBatch.concat(parts)
     for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "policy_version", "prompt_index"):
         assert torch.equal(getattr(joined, name), getattr(whole, name)), name
     torch.testing.assert_close(joined.rollout_logprobs, whole.rollout_logprobs, rtol=0, atol=1e-5)
     # Sampled, not degenerate: a group's rows differ, and another seed samples otherwise.
     assert len({tuple(r.tolist()) for r in whole.response_ids}) > len(indices)
-    other = generate_batch(engine, prompts, indices, SamplingParams(n=4, max_new_tokens=8, seed=78), policy_version=0, pad_id=engine.pad_id)
+    other = generate_batch(engine, prompts, indices, SamplingParams(n=4, max_new_tokens=8, seed=78), policy_version=0)
     assert not torch.equal(other.response_ids, whole.response_ids)
+
+
+def test_a_joined_batch_has_the_same_bytes_handed_over_or_stored_and_read_back(engine_and_prompts, tmp_path, monkeypatch):
+    """One pad rule (workers/batch.py, PAD_ID): shares of different widths joined in memory
+    (the fused step's HandedStep) and joined by the rollout worker's store then read back
+    (load_step, the per-phase path and recovery) are equal to the last byte, even where
+    the engine's own pad id is another token."""
+    from ratchet.storage.batch_store import BatchStore
+    from ratchet.storage.object_store import ObjectStore
+    from ratchet.workers.batch import PAD_ID, HandedStep, StepScores, load_step, save_scores
+    from ratchet.workers.results import RolloutShare, ScoreResult
+
+    engine, prompts = engine_and_prompts
+    monkeypatch.setattr(engine, "pad_id", 7)  # a real token of the tiny vocabulary: never used to pad
+    params = SamplingParams(n=2, max_new_tokens=8, seed=5)
+    parts = [generate_batch(engine, prompts, list(range(a, b)), params, policy_version=0, first_position=a) for a, b in ((0, 1), (1, 4))]
+    assert parts[0].prompt_ids.shape[1] != parts[1].prompt_ids.shape[1]  # re-padding happens
+    shares = [RolloutShare(batch=p, baseline=None, generate_seconds=0.0, policy_version=0) for p in parts]
+    rewards = torch.arange(sum(len(p) for p in parts), dtype=torch.float32)
+    handed = HandedStep.from_shares(StepScores(rewards, [{}] * len(rewards), ScoreResult(0.0, 0.0, len(rewards), 0, 0.0)), shares)
+    store = BatchStore(ObjectStore(str(tmp_path)))
+    RolloutBatch.concat(parts).save(store, 0)
+    save_scores(store, 0, rewards, [{}] * len(rewards))
+    stored = load_step(store, 0).batch
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs", "policy_version", "prompt_index"):
+        assert torch.equal(getattr(handed.batch, name), getattr(stored, name)), name
+    assert handed.batch.prompt_ids[handed.batch.prompt_mask == 0].eq(PAD_ID).all()
+    assert handed.batch.response_ids[handed.batch.response_mask == 0].eq(PAD_ID).all()

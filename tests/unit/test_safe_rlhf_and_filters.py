@@ -228,9 +228,7 @@ def sampled(tiny_model, tmp_path_factory, tokenizer):
 
     path = write_task_parquet(tmp_path_factory.mktemp("copy") / "copy.parquet", "copy", 8, seed=0, min_len=4, max_len=4)
     prompts = PromptSet(str(path), tokenizer, max_prompt_length=64)
-    return generate_batch(
-        HFEngine(str(tiny_model)), prompts, [0, 1], SamplingParams(n=4, max_new_tokens=6, seed=3), policy_version=0, pad_id=PAD
-    )
+    return generate_batch(HFEngine(str(tiny_model)), prompts, [0, 1], SamplingParams(n=4, max_new_tokens=6, seed=3), policy_version=0)
 
 
 def test_dropped_samples_leave_the_loss_and_their_group(tiny_model, sampled):

@@ -116,7 +116,7 @@ def grpo_run(smollm2, tmp_path_factory):
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=123)
 
     def sample_and_score():
-        batch = generate_batch(loop.engine, loop.prompts, [10, 11], params, policy_version=loop.trainer.version, pad_id=loop.engine.pad_id)
+        batch = generate_batch(loop.engine, loop.prompts, [10, 11], params, policy_version=loop.trainer.version)
         with torch.no_grad():
             trainer_lp = token_logprobs(response_logits(loop.trainer.model, batch, 1.0), batch.response_ids)
         return batch, trainer_lp

@@ -467,7 +467,7 @@ def test_a_bucketed_sync_into_vllm_makes_it_sample_the_trainers_distribution(vll
     engine, params = vllm_worker.engine, SamplingParams(n=4, temperature=VLLM_TEMPERATURE, max_new_tokens=12, seed=5)
 
     def worst_diff() -> float:
-        batch = generate_batch(engine, vllm_worker.train, list(range(6)), params, policy_version=0, pad_id=engine.pad_id)
+        batch = generate_batch(engine, vllm_worker.train, list(range(6)), params, policy_version=0)
         with torch.no_grad():
             ref = trainer_token_logprobs(response_logits(trainer.model, batch, VLLM_TEMPERATURE), batch.response_ids)
         mask = batch.response_mask > 0

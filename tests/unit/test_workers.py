@@ -19,7 +19,7 @@ from ratchet.storage.batch_store import BatchStore
 from ratchet.storage.object_store import ObjectStore
 from ratchet.tasks.generate import write_task_parquet
 from ratchet.tasks.rewards import compute_score, digit_match_score
-from ratchet.workers.batch import RolloutBatch, ScoredStep, load_scores, save_scores
+from ratchet.workers.batch import PAD_ID, RolloutBatch, ScoredStep, load_scores, save_scores
 from ratchet.workers.engines.hf import HFEngine
 from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_logprobs
@@ -84,7 +84,7 @@ def train_batch(engine, ragged_prompts) -> RolloutBatch:
     short, long = lengths.index(min(lengths)), lengths.index(max(lengths))
     assert lengths[short] < lengths[long]
     params = SamplingParams(n=4, max_new_tokens=6, seed=11)
-    return generate_batch(engine, ragged_prompts, [short, long], params, policy_version=0, pad_id=PAD)
+    return generate_batch(engine, ragged_prompts, [short, long], params, policy_version=0)
 
 
 # Rewards with spread inside each group (rows 0-3: prompt A, rows 4-7: prompt B).
@@ -316,7 +316,7 @@ def test_generate_batch_shapes_masks_and_versions(engine, ragged_prompts):
     assert len(by_length) >= 3
     indices = [by_length[n] for n in sorted(by_length)[:3]]  # three different prompt lengths
     params = SamplingParams(n=4, max_new_tokens=6, seed=3)
-    batch = generate_batch(engine, ragged_prompts, indices, params, policy_version=3, pad_id=PAD)
+    batch = generate_batch(engine, ragged_prompts, indices, params, policy_version=3)
     # generate_batch seeds each prompt by its position in the batch (batch_seeds.prompt_seeds).
     seeded = replace(params, prompt_seeds=prompt_seeds(params.seed, 0, len(indices)))
     groups = engine.generate([ragged_prompts.token_ids[i] for i in indices], seeded)
@@ -336,11 +336,11 @@ def test_generate_batch_shapes_masks_and_versions(engine, ragged_prompts):
         k = len(gens[r].token_ids)
         # prompts left-padded
         assert batch.prompt_ids[r, prompt_w - len(p) :].tolist() == p
-        assert batch.prompt_ids[r, : prompt_w - len(p)].eq(PAD).all()
+        assert batch.prompt_ids[r, : prompt_w - len(p)].eq(PAD_ID).all()
         assert batch.prompt_mask[r].tolist() == [0] * (prompt_w - len(p)) + [1] * len(p)
         # responses right-padded
         assert batch.response_ids[r, :k].tolist() == gens[r].token_ids
-        assert batch.response_ids[r, k:].eq(PAD).all()
+        assert batch.response_ids[r, k:].eq(PAD_ID).all()
         assert batch.response_mask[r].tolist() == [1.0] * k + [0.0] * (resp_w - k)
         torch.testing.assert_close(batch.rollout_logprobs[r, :k], torch.tensor(gens[r].logprobs))
         assert batch.rollout_logprobs[r, k:].eq(0).all()
@@ -369,7 +369,7 @@ def test_engine_logprobs_match_trainer_recompute(engine, tiny_model, prompts, ra
 
     source = ragged_prompts if ragged else prompts
     indices = list(range(6))
-    batch = generate_batch(engine, source, indices, SamplingParams(n=3, max_new_tokens=8, seed=5), policy_version=0, pad_id=PAD)
+    batch = generate_batch(engine, source, indices, SamplingParams(n=3, max_new_tokens=8, seed=5), policy_version=0)
     if ragged:
         assert batch.prompt_mask.sum(-1).unique().numel() > 1  # real left padding
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()

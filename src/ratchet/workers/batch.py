@@ -5,6 +5,13 @@ prompt, `response_ids` right-padded, so `cat(prompt_ids, response_ids)` is a val
 sequence. Per-token tensors (`rollout_logprobs`, `policy_version`) align with
 `response_ids`: every token records the policy version that produced it, which the async
 loops need to bound staleness.
+
+Padding: one rule wherever a batch is laid out (`pack`, after generation) or joined
+(`concat`: replica shares, rollout rounds, a stored step read back): padded positions hold
+token id `PAD_ID` (0) and mask 0. Every reader goes by the masks (attention, loss, and
+decoding by span), so any valid id would do; one value means a batch has the same bytes
+whichever path built it (generated whole, joined from shares, handed over in memory,
+stored and read back).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
     # math (and the GPU check, on a machine without tenacity) never imports the storage layer.
     from ratchet.storage.batch_store import BatchStore
 
+PAD_ID = 0  # the token id of every padded position (module docstring)
 TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs", "policy_version", "prompt_index")
 
 
@@ -56,14 +64,14 @@ class RolloutBatch:
         return self.prompt_ids.shape[0]
 
     @classmethod
-    def pack(cls, rows: list[SampleRow], pad_id: int) -> "RolloutBatch":
+    def pack(cls, rows: list[SampleRow]) -> "RolloutBatch":
         """The batch of `rows`: prompts left-padded, responses right-padded (see the module docstring)."""
         b = len(rows)
         prompt_w = max(len(r.prompt) for r in rows)
         resp_w = max(1, max(len(r.tokens) for r in rows))
-        prompt_ids = torch.full((b, prompt_w), pad_id, dtype=torch.long)
+        prompt_ids = torch.full((b, prompt_w), PAD_ID, dtype=torch.long)
         prompt_mask = torch.zeros((b, prompt_w), dtype=torch.long)
-        response_ids = torch.full((b, resp_w), pad_id, dtype=torch.long)
+        response_ids = torch.full((b, resp_w), PAD_ID, dtype=torch.long)
         response_mask = torch.zeros((b, resp_w), dtype=torch.float32)
         logprobs = torch.zeros((b, resp_w), dtype=torch.float32)
         versions = torch.zeros((b, resp_w), dtype=torch.long)
@@ -115,7 +123,7 @@ class RolloutBatch:
         return cls(**{n: tensors[n] for n in TENSOR_FIELDS}, samples=meta[Fields.SAMPLES])
 
     @classmethod
-    def concat(cls, parts: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+    def concat(cls, parts: list["RolloutBatch"]) -> "RolloutBatch":
         """Rows of all parts; prompts re-left-padded and responses re-right-padded to the widest."""
         if len(parts) == 1:
             return parts[0]
@@ -129,9 +137,9 @@ class RolloutBatch:
             return torch.nn.functional.pad(t, (0, r_w - t.shape[1]), value=fill)
 
         return cls(
-            prompt_ids=torch.cat([left(b.prompt_ids, pad_id) for b in parts]),
+            prompt_ids=torch.cat([left(b.prompt_ids, PAD_ID) for b in parts]),
             prompt_mask=torch.cat([left(b.prompt_mask, 0) for b in parts]),
-            response_ids=torch.cat([right(b.response_ids, pad_id) for b in parts]),
+            response_ids=torch.cat([right(b.response_ids, PAD_ID) for b in parts]),
             response_mask=torch.cat([right(b.response_mask, 0.0) for b in parts]),
             rollout_logprobs=torch.cat([right(b.rollout_logprobs, 0.0) for b in parts]),
             policy_version=torch.cat([right(b.policy_version, 0) for b in parts]),
@@ -178,13 +186,12 @@ class ScoredStep:
 
 def load_step(store: BatchStore, batch_index: int, parts: int = 1) -> ScoredStep:
     """The stored batch `batch_index` (its `parts` rollout rounds) as one training step's input."""
-    # Padding positions are masked out everywhere, so any valid id (0) can fill them.
     batches = [RolloutBatch.load(store, batch_index, part_name(Parts.ROLLOUT, p)) for p in range(parts)]
     rounds = [read_scores(store, batch_index, part_name(Parts.SCORES, p)) for p in range(parts)]
     rewards = torch.cat([r[0] for r in rounds])
     costs = torch.cat([r[2] for r in rounds]) if rounds[0][2] is not None else None
     keep = torch.cat([r[3] for r in rounds]) if rounds[0][3] is not None else None
-    batch = RolloutBatch.concat(batches, pad_id=0)
+    batch = RolloutBatch.concat(batches)
     baseline = None
     if store.has(batch_index, part_name(Parts.BASELINE_SCORES, 0)):
         greedy = [RolloutBatch.load(store, batch_index, part_name(Parts.BASELINE, p)).prompt_index for p in range(parts)]
@@ -251,9 +258,9 @@ class HandedStep:
     @classmethod
     def from_shares(cls, scores: StepScores, shares: list) -> "HandedStep":
         """The batch of the rollout shares (`results.RolloutShare`, in order), as
-        `RolloutWorker.save_shares` joins them; padding 0, as `load_step` pads."""
-        batch = RolloutBatch.concat([s.batch for s in shares], pad_id=0)
-        baseline = RolloutBatch.concat([s.baseline for s in shares], pad_id=0) if shares[0].baseline is not None else None
+        `RolloutWorker.save_shares` and `load_step` join them."""
+        batch = RolloutBatch.concat([s.batch for s in shares])
+        baseline = RolloutBatch.concat([s.baseline for s in shares]) if shares[0].baseline is not None else None
         return cls(
             batch=batch,
             baseline=baseline,

@@ -83,14 +83,11 @@ class LocalLoop:
         per = self.cfg.loop.prompts_per_step
         indices = prompt_indices(step * per, per, len(self.prompts), self.order_seed)
         params = self._sampling(step)
-        pad = self.engine.pad_id
-        batch = generate_batch(
-            self.engine, self.prompts, indices, params, policy_version=self.trainer.version, pad_id=pad, multi_turn=self.multi_turn
-        )
+        batch = generate_batch(self.engine, self.prompts, indices, params, policy_version=self.trainer.version, multi_turn=self.multi_turn)
         baseline = None
         if self.needs_baseline:
             greedy = generate_batch(
-                self.engine, self.prompts, indices, replace(params, n=1, greedy=True), policy_version=0, pad_id=pad,
+                self.engine, self.prompts, indices, replace(params, n=1, greedy=True), policy_version=0,
                 multi_turn=self.multi_turn,
             )  # fmt: skip
             base_scores, _ = score_batch(greedy, self.engine.tokenizer, self.reward_fn)
@@ -136,7 +133,7 @@ class LocalLoop:
         n = min(size or self.cfg.data.eval_size, len(self.eval_prompts))
         params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.rollout.max_response_length)
         batch = generate_batch(
-            self.engine, self.eval_prompts, list(range(n)), params, policy_version=0, pad_id=self.engine.pad_id,
+            self.engine, self.eval_prompts, list(range(n)), params, policy_version=0,
             multi_turn=self.multi_turn,
         )  # fmt: skip
         return score_batch(batch, self.engine.tokenizer, self.reward_fn)[0].mean().item()

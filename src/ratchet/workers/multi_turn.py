@@ -171,7 +171,6 @@ class MultiTurnRollout:
         params: SamplingParams,
         *,
         policy_version: int,
-        pad_id: int,
         weight_swap: WeightSwap | None = None,
     ) -> RolloutBatch:
         budget = min(params.max_new_tokens, self.max_response_length)
@@ -210,7 +209,7 @@ class MultiTurnRollout:
                 conv.add_turn(gen, version)
                 version = max([version, *(gen.versions or [])])
             active = self._after_turn(active, prompts, budget)
-        return self._batch(convs, prompts, pad_id)
+        return self._batch(convs, prompts)
 
     def _after_turn(self, convs: list[Conversation], prompts: "PromptSet", budget: int) -> list[Conversation]:
         """Parse the last turn of each conversation, run the calls, append the observations;
@@ -297,7 +296,7 @@ class MultiTurnRollout:
             ids += encode(before) + encode(text)[: self.max_tool_response_tokens] + encode(after)
         return ids
 
-    def _batch(self, convs: list[Conversation], prompts: "PromptSet", pad_id: int) -> RolloutBatch:
+    def _batch(self, convs: list[Conversation], prompts: "PromptSet") -> RolloutBatch:
         rows = []
         for c in convs:
             info = prompts.sample_info(c.prompt_index)
@@ -305,4 +304,4 @@ class MultiTurnRollout:
             extra.update(tool_calls=c.calls, num_turns=c.turns, stop_reason=c.stop_reason)
             sample = {**info, "extra_info": extra, "turns": c.spans}
             rows.append(SampleRow(c.prompt, c.tokens, c.logprobs, c.versions, c.prompt_index, sample, mask=c.mask))
-        return RolloutBatch.pack(rows, pad_id)
+        return RolloutBatch.pack(rows)

@@ -9,7 +9,6 @@ import time
 
 import torch
 
-from ratchet.algorithms.dapo import dynamic_sampling_keep
 from ratchet.config.schema import RunConfig
 from ratchet.storage.batch_store import BatchStore
 from ratchet.storage.object_store import ObjectStore
@@ -77,25 +76,18 @@ class RewardWorker:
         if store.has(batch_index, baseline_name):  # ReMax: the greedy baseline responses
             base_rewards, base_extras = self._rewards(RolloutBatch.load(store, batch_index, baseline_name), batch_index)
             save_scores(store, batch_index, base_rewards, base_extras, part_name(Parts.BASELINE_SCORES, part))
-        keep = dynamic_sampling_keep(rewards, batch.prompt_index)
-        return ScoreResult(
-            reward_mean=float(rewards.mean().item()),
-            reward_std=float(rewards.std().item()) if len(rewards) > 1 else 0.0,
-            num_samples=len(rewards),
-            informative_groups=int(torch.unique(batch.prompt_index[keep]).numel()),
-            seconds=time.perf_counter() - t0,
-        )
+        return score_summary(rewards, batch.prompt_index, time.perf_counter() - t0)
 
     def score_shares(self, batch_index: int, *shares) -> StepScores:
         """Score a batch handed over in memory (`results.RolloutShare`s, in order: sync
         mode's `step` activity); nothing is written here: `store_handed` does."""
         t0 = time.perf_counter()
-        batch = RolloutBatch.concat([s.batch for s in shares], pad_id=0)
+        batch = RolloutBatch.concat([s.batch for s in shares])
         rewards, extras = self._rewards(batch, batch_index)
         rewards, costs, keep = self._screened(batch, rewards, batch_index)
         base_rewards, base_extras = None, None
         if shares[0].baseline is not None:  # ReMax: the greedy baseline responses
-            baseline = RolloutBatch.concat([s.baseline for s in shares], pad_id=0)
+            baseline = RolloutBatch.concat([s.baseline for s in shares])
             base_rewards, base_extras = self._rewards(baseline, batch_index)
         result = score_summary(rewards, batch.prompt_index, time.perf_counter() - t0)
         return StepScores(

@@ -156,10 +156,9 @@ class RolloutWorker:
         """Store the shares, in the order given, as rollout part `part` of batch
         `batch_index` (one share: as generated), the same rows one worker would write."""
         store = BatchStore(self.run)
-        pad = self.engine.pad_id
-        batch = RolloutBatch.concat([s.batch for s in shares], pad_id=pad)
+        batch = RolloutBatch.concat([s.batch for s in shares])
         if shares[0].baseline is not None:
-            RolloutBatch.concat([s.baseline for s in shares], pad_id=pad).save(store, batch_index, part_name(Parts.BASELINE, part))
+            RolloutBatch.concat([s.baseline for s in shares]).save(store, batch_index, part_name(Parts.BASELINE, part))
         uri = batch.save(store, batch_index, part_name(Parts.ROLLOUT, part))
         lengths = batch.response_mask.sum(-1)
         return GenerateResult(
@@ -185,9 +184,8 @@ class RolloutWorker:
         )
         t0 = time.perf_counter()
         indices = prompt_indices(prompt_start, prompt_count, len(self.train), self.order_seed)
-        pad = self.engine.pad_id
         batch = generate_batch(
-            self.engine, self.train, indices, params, policy_version=version, pad_id=pad, weight_swap=swap, first_position=position,
+            self.engine, self.train, indices, params, policy_version=version, weight_swap=swap, first_position=position,
             multi_turn=self.multi_turn,
         )  # fmt: skip
         baseline = None
@@ -195,7 +193,7 @@ class RolloutWorker:
             # ReMax: one greedy response per prompt, scored as the baseline of its group.
             greedy = replace(params, n=1, greedy=True)
             baseline = generate_batch(
-                self.engine, self.train, indices, greedy, policy_version=self.version, pad_id=pad, weight_swap=swap,
+                self.engine, self.train, indices, greedy, policy_version=self.version, weight_swap=swap,
                 multi_turn=self.multi_turn,
             )  # fmt: skip
         return RolloutShare(batch=batch, baseline=baseline, generate_seconds=time.perf_counter() - t0, policy_version=version)
@@ -227,9 +225,7 @@ class RolloutWorker:
         indices = list(range(min(size, len(self.eval))))
         # An evaluation measures one version: no weight swap inside it.
         with self.slot.generation(swappable=False) as (version, _):
-            batch = generate_batch(
-                self.engine, self.eval, indices, params, policy_version=version, pad_id=self.engine.pad_id, multi_turn=self.multi_turn
-            )
+            batch = generate_batch(self.engine, self.eval, indices, params, policy_version=version, multi_turn=self.multi_turn)
         return EvalBatchResult(uri=batch.save(BatchStore(self.run, RunLayout.EVALS), step), num_samples=len(batch), policy_version=version)
 
     def load_published(self, published: "WeightSource | None") -> LoadReport | None:

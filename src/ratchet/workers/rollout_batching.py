@@ -22,7 +22,6 @@ def generate_batch(
     params: SamplingParams,
     *,
     policy_version: int,
-    pad_id: int,
     weight_swap: WeightSwap | None = None,
     first_position: int = 0,
     multi_turn: "MultiTurnRollout | None" = None,
@@ -33,9 +32,7 @@ def generate_batch(
     if not params.greedy and params.prompt_seeds is None:
         params = replace(params, prompt_seeds=prompt_seeds(params.seed, first_position, len(indices)))
     if multi_turn is not None:  # rollout.multi_turn: conversations with tool calls (workers/multi_turn.py)
-        return multi_turn.generate_batch(
-            engine, prompts, indices, params, policy_version=policy_version, pad_id=pad_id, weight_swap=weight_swap
-        )
+        return multi_turn.generate_batch(engine, prompts, indices, params, policy_version=policy_version, weight_swap=weight_swap)
     groups = engine.generate([prompts.token_ids[i] for i in indices], params, version=policy_version, weight_swap=weight_swap)
     rows = [
         SampleRow(
@@ -49,4 +46,4 @@ def generate_batch(
         for idx, group in zip(indices, groups)
         for gen in group
     ]
-    return RolloutBatch.pack(rows, pad_id)
+    return RolloutBatch.pack(rows)
