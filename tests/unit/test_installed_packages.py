@@ -54,6 +54,7 @@ def test_a_broken_cache_file_is_computed_again(tmp_path, content):
     assert json.loads(written.read_text()) == importlib.metadata.packages_distributions()
 
 
+@pytest.mark.slow
 def test_transformers_imported_through_the_cache_has_the_real_mapping(tmp_path):
     """A fresh process, as an actor's: transformers' own mapping equals Python's, the cache
     file was written, and the standard function is back afterwards."""

@@ -213,6 +213,7 @@ def test_enable_determinism_trains_on_cpu(tiny_model):
         torch.use_deterministic_algorithms(was)
 
 
+@pytest.mark.slow
 def test_deterministic_kernels_leave_inductor_unimported_and_set_it_when_imported():
     """A fresh process (as an actor's): the flag is on without Inductor's config imported
     (2 CPU-s that a reward worker has no other use for), and a later import of that config

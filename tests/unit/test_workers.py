@@ -499,6 +499,7 @@ def test_train_step_updates_weights(tiny_model, train_batch):
     assert set(np_state) == set(after) and trainer.num_parameters() > 500_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ppo_epochs", [1, 2])
 def test_old_logprobs_from_the_update_match_a_forward_pass_of_their_own(tiny_model, train_batch, monkeypatch, ppo_epochs):
     """One pass with nothing reading the old log-probs before it: they are the update's own
