@@ -81,6 +81,20 @@ def test_engine_protocol_declares_what_the_rollout_uses():
     assert {"generate", "load_weights", "supports_partial_rollout", "tokenizer", "pad_id"} <= protocol_members(Engine)
 
 
+def test_each_engine_options_section_is_a_rollout_section_the_engine_takes():
+    """ENGINE_OPTIONS names, for an engine, a `Section` field of RolloutConfig; its fields
+    are what engine_options() gives, and an engine without an entry gets none."""
+    from ratchet.catalog.engines import ENGINE_OPTIONS
+    from ratchet.config.schema import RolloutConfig, Section
+
+    assert set(ENGINE_OPTIONS) <= set(ENGINES.names())
+    for engine, section in ENGINE_OPTIONS.items():
+        field = RolloutConfig.model_fields[section]
+        assert isinstance(field.annotation, type) and issubclass(field.annotation, Section), (engine, section)
+        assert RolloutConfig(engine=engine).engine_options() == getattr(RolloutConfig(), section).model_dump()
+    assert RolloutConfig(engine="hf").engine_options() == {}
+
+
 def test_every_engine_entry_imports_and_fulfils_the_protocol(tiny_model):
     """Every entry imports; those that run here (not SGLang without CUDA; vLLM's own tests
     start it, so it is not started twice) are built and checked against the protocol."""

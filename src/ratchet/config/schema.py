@@ -26,7 +26,7 @@ from ratchet.algorithms.off_policy_settings import rejection_problems
 from ratchet.config.pool_roles import POOL_ROLES
 from ratchet.catalog import storage_schemes as schemes
 from ratchet.storage.layout import RunLayout
-from ratchet.catalog.engines import ENGINES
+from ratchet.catalog.engines import ENGINE_OPTIONS, ENGINES
 from ratchet.catalog.loop_modes import LOOP_MODES
 
 # The per-batch sampling seed is `(seed * 1_000_003 + batch) * 101 + part`
@@ -261,12 +261,10 @@ class RolloutConfig(Section):
         return ENGINES.check(name)
 
     def engine_options(self) -> dict[str, Any]:
-        """The keyword options of the configured engine: its own section (rollout.vllm,
-        rollout.sglang) when it has one, none for the others."""
-        section = type(self).model_fields.get(self.engine)
-        if section is None or not (isinstance(section.annotation, type) and issubclass(section.annotation, Section)):
-            return {}
-        return getattr(self, self.engine).model_dump()
+        """The keyword options of the configured engine: the section the engine catalog names
+        for it (`ENGINE_OPTIONS`: rollout.vllm, rollout.sglang), none for the others."""
+        section = ENGINE_OPTIONS.get(self.engine)
+        return {} if section is None else getattr(self, section).model_dump()
 
 
 class RewardConfig(Section):
