@@ -36,10 +36,11 @@ def installed_state() -> list[tuple[str, int]]:
     metadata, in path order: an install or removal there changes its time."""
     state = []
     for entry in sys.path:
+        folder = entry or "."  # "": the working folder
         try:
-            with os.scandir(entry or ".") as it:
+            with os.scandir(folder) as it:
                 if any(e.name.endswith(_METADATA_SUFFIXES) for e in it):
-                    state.append((os.path.abspath(entry or "."), os.stat(entry or ".").st_mtime_ns))
+                    state.append((os.path.abspath(folder), os.stat(folder).st_mtime_ns))
         except OSError:  # not a folder (a zip), or gone
             continue
     return state

@@ -440,9 +440,10 @@ class PolicyTrainer:
                 m, mm = shard.select(s), loss_mask[s]
                 logits = response_logits(self.model, m, self.cfg.rollout.temperature)
                 logprob = token_logprobs(logits, m.response_ids)
+                old_s = logprob.detach() if from_update else old[s]
                 if from_update:
-                    own_logprobs.append(logprob.detach())
-                out = loss_fn(logprob, own_logprobs[-1] if from_update else old[s], shard_adv[s], mm, params)
+                    own_logprobs.append(old_s)
+                out = loss_fn(logprob, old_s, shard_adv[s], mm, params)
                 loss = aggregate(out.loss if correction is None else out.loss * correction.weights[s], mm, norm)
                 entropy = entropy_from_logits(logits)
                 if alg.entropy_coeff > 0:
