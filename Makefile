@@ -64,25 +64,30 @@ demo: $(STAMP)
 	$(BYTECODE)
 	$(VENV)/bin/ratchet demo
 
-# The tests take screenshots of the Temporal and MLflow UIs in a real browser: Debian's Chromium.
+# Debian packages the suite runs for real, installed by `make test` where missing: Chromium
+# (the tests take screenshots of the Temporal and MLflow UIs in a real browser),
+# docker-compose (the deploy tests validate the compose file with `docker-compose config`;
+# no daemon needed) and bubblewrap (the code runner's sandbox, src/ratchet/tools/sandbox.py,
+# runs model code under it; the security tests run that real isolation).
 BROWSER := /usr/bin/chromium
-SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-
-$(BROWSER):
-	$(SUDO) apt-get install -y -q chromium >/dev/null || ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q chromium >/dev/null)
-
-# The deploy tests validate the compose file with `docker-compose config` (no daemon needed).
 COMPOSE := /usr/bin/docker-compose
-
-$(COMPOSE):
-	$(SUDO) apt-get install -y -q docker-compose >/dev/null || ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q docker-compose >/dev/null)
-
-# The code runner's sandbox (src/ratchet/tools/sandbox.py) runs model code under bubblewrap;
-# the security tests run that real isolation.
 BWRAP := /usr/bin/bwrap
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# $(call apt_install,PACKAGES): one apt-get call, its package lists refreshed only if it fails.
+apt_install = $(SUDO) apt-get install -y -q $(1) >/dev/null || ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q $(1) >/dev/null)
+MISSING_DEBS = $(strip $(if $(wildcard $(BROWSER)),,chromium) $(if $(wildcard $(COMPOSE)),,docker-compose) $(if $(wildcard $(BWRAP)),,bubblewrap))
+
+.PHONY: debs test-setup
+debs:
+	$(if $(MISSING_DEBS),$(call apt_install,$(MISSING_DEBS)),@:)
 
 $(BWRAP):
-	$(SUDO) apt-get install -y -q bubblewrap >/dev/null || ($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q bubblewrap >/dev/null)
+	$(call apt_install,bubblewrap)
+
+# The virtualenv and the Debian packages side by side (-j2): on a fresh machine the
+# packages (about 15 s here, one apt-get call) are installed while uv installs.
+test-setup:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) debs
 
 # Two test processes: most of the suite waits (on services, timeouts, a 30 s outage), so
 # two files at a time fill the two cores CI has. A file stays in one process (--dist
@@ -99,7 +104,7 @@ LINT := $(VENV)/bin/ruff check --quiet src tests benchmarks && $(VENV)/bin/ruff 
 # used (Python checks the source's mtime).
 BYTECODE := $(PY) -m compileall -q -j 0 src tests benchmarks
 
-test: $(STAMP) $(BROWSER) $(COMPOSE) $(BWRAP)
+test: test-setup
 	$(LINT)
 	$(BYTECODE)
 	$(PY) -m pytest -q -x -p no:cacheprovider --durations=25 -n 2 --dist loadfile --no-loadscope-reorder -m "not benchmark_smoke"

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 # The platform tests' runs log to no tracker: MLflow costs the worker about 2 CPU-s a run
 # (its import, its store, a call per step), and tests/tracking/ is where a run's copy in a
-# tracker is checked (test_mlflow_ui.py: a real run on the platform, MLflow turned on). A
+# tracker is checked (tests/integration/test_dashboards.py: a real run on the platform, MLflow turned on). A
 # later `tracking.mlflow=true` in a test's own overrides wins.
 NO_TRACKER = "tracking.mlflow=false"
 

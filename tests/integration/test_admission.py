@@ -247,12 +247,15 @@ def test_runs_that_each_need_the_whole_cluster_run_one_after_another(platform, r
         first.pause()  # it keeps its CPUs at its first step boundary while the others queue
         wait_until(lambda: phase(first) == "paused", timeout=120)
         queued = []
-        for ahead, name in enumerate(("adm-second", "adm-third", "adm-stopped")):
+        # Two queued behind it, each shown its place. Only the first of them runs later: a
+        # third run in the chain would show nothing the ledger's own tests above do not
+        # (the order among many queued runs) and cost a run's three actor starts.
+        for ahead, name in enumerate(("adm-second", "adm-stopped")):
             run = submit(name)
             shown = f"queued: waiting for {need}; {ahead} run{'' if ahead == 1 else 's'} ahead; running: {first.run_id}"
             wait_until(lambda: phase(run) == shown, timeout=60)
             queued.append(run)
-        second, third, stopped = queued
+        second, stopped = queued
 
         # A stop on a queued run ends it at once: the first run still holds every CPU.
         stopped.stop()
@@ -273,12 +276,12 @@ def test_runs_that_each_need_the_whole_cluster_run_one_after_another(platform, r
         assert terminated.run_id not in run_actor_names()
 
         first.resume()
-        results = [h.result(timeout=300) for h in (first, second, third)]
-        assert [(r.steps, r.stopped) for r in results] == [(2, False)] * 3
-        spans = [_held(h) for h in (first, second, third)]
+        results = [h.result(timeout=300) for h in (first, second)]
+        assert [(r.steps, r.stopped) for r in results] == [(2, False)] * 2
+        spans = [_held(h) for h in (first, second)]
 
-        # One after another, first come first served: each started after the one before ended.
-        assert spans[0][1] <= spans[1][0] and spans[1][1] <= spans[2][0], spans
+        # One after another: the queued run started after the one holding the cluster ended.
+        assert spans[0][1] <= spans[1][0], spans
         assert admission.ledger_runs() == []
     finally:
         for h in handles:

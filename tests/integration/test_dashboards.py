@@ -1,24 +1,34 @@
-"""The Temporal UI as the run's window, on the real platform (`ratchet up`'s dev server with
-its UI, Ray, a `ratchet worker`): a short real run is found by its search attributes, and
-headless Chromium renders its workflow page with the run's summary, details, current
-details and an activity summary on every activity. The payloads are sealed with ratchet's
-key (platform/payload_codec.py); the UI reads them through `up`'s codec server.
+"""The run's two windows, on the real platform (`ratchet up`'s dev server with its UI, Ray,
+a `ratchet worker`), for one short real run:
 
-The screenshots are kept as test artifacts under $RATCHET_TEST_ARTIFACTS (default
+- the Temporal UI: the run is found by its search attributes, and headless Chromium
+  renders its workflow page with the run's summary, details, current details and an
+  activity summary on every activity. The payloads are sealed with ratchet's key
+  (platform/payload_codec.py); the UI reads them through `up`'s codec server.
+- MLflow, the built-in dashboard: the run logs every step to the state folder's MLflow
+  store, the MLflow UI that `ratchet up` starts (services/mlflow_ui.py) serves it on
+  127.0.0.1, and Chromium renders the run's reward chart.
+
+One run serves both (a run of its own for each cost a run's actor starts and told nothing
+more). The screenshots are kept as test artifacts under $RATCHET_TEST_ARTIFACTS (default
 `.ratchet/test-artifacts/`, git-ignored): `temporal_ui_run.png` (the workflow page and its
 timeline), `temporal_ui_metadata.png` (the User Metadata tab: summary, details, current
-details) and `temporal_ui_search_attributes.png` (the Search Attributes tab).
+details), `temporal_ui_search_attributes.png` (the Search Attributes tab) and
+`mlflow_ui_reward.png`.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import secrets
 import subprocess
 import time
 from pathlib import Path
+import urllib.parse
+import urllib.request
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -29,6 +39,7 @@ from ratchet.types import RunSummary
 from ratchet.workflows import search_attributes as sa
 
 from tests.browser import CHROMIUM, artifacts_dir, chromium
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -52,10 +63,11 @@ def wait_for(find, what: str, limit_s: float = 60.0):
 
 @pytest.fixture(scope="module")
 def ui_run(platform):
-    """A 4-step sync run (checkpoint and evaluation every 2 steps), paused once after its
-    first step: its live current details are read then (the query the UI makes), and its
-    page is rendered once it completed (the UI long-polls an open workflow's history, so a
-    headless render under virtual time never settles while the run is open)."""
+    """A 4-step sync run (checkpoint and evaluation every 2 steps, logged to MLflow), paused
+    once after its first step: its live current details are read then (the query the UI
+    makes), and its page is rendered once it completed (the UI long-polls an open
+    workflow's history, so a headless render under virtual time never settles while the
+    run is open)."""
     if not Path(CHROMIUM).exists():
         pytest.skip("Chromium is not installed (Debian package chromium)")
     from temporalio.api.sdk.v1 import WorkflowMetadata
@@ -63,7 +75,8 @@ def ui_run(platform):
     experiment = f"ui-{secrets.token_hex(3)}"
     client = platform.client
     handle = client.submit(
-        RECIPE_PATH, platform.overrides(*FAST, f"loop.steps={STEPS}", "tracking.name=ui", f"tracking.experiment={experiment}")
+        RECIPE_PATH,
+        platform.overrides(*FAST, f"loop.steps={STEPS}", "tracking.mlflow=true", "tracking.name=ui", f"tracking.experiment={experiment}"),
     )
     wait_for(lambda: handle.progress().step >= 1, "the run's first step", 300)
     handle.pause()
@@ -253,3 +266,66 @@ def test_ratchet_runs_where(ui_run, platform):
     assert miss.returncode == 0 and run_id not in miss.stdout, miss.stdout
     bad = ratchet_runs("ratchet_rewards > 0.3")
     assert bad.returncode == 2 and "'ratchet_rewards' is not one of ratchet's search attributes" in bad.stderr, bad.stderr
+
+
+def metric_page(base: str, run_id: str, experiment_id: str, key: str) -> str:
+    """The MLflow UI's page of one metric of one run (its route and query, as the UI's own
+    links build them)."""
+    q = {
+        "runs": json.dumps([run_id]), "metric": json.dumps(key), "experiments": json.dumps([experiment_id]),
+        "plot_metric_keys": json.dumps([key]), "plot_layout": "{}", "x_axis": "step", "y_axis_scale": "linear",
+        "line_smoothness": "1", "show_point": "true", "deselected_curves": "[]", "last_linear_y_axis_range": "[]",
+    }  # fmt: skip
+    return f"{base}/#/metric?" + "&".join(f"{k}={urllib.parse.quote(v, safe='[]{},')}" for k, v in q.items())
+
+
+def test_the_run_in_mlflow_and_its_ui(ui_run, platform):
+    from mlflow import MlflowClient
+    from PIL import Image
+
+    from ratchet.platform.services import ServiceSettings, free_ports, mlflow_ui, mlflow_ui_url, status
+    from ratchet.tracking.uris import default_mlflow_uri
+
+    summary = ui_run["summary"]
+    lines = [json.loads(x) for x in (Path(summary.run_uri) / "metrics.jsonl").read_text().splitlines()]
+
+    # The worker logged every step to the state folder's store, in one MLflow run.
+    state = platform.settings.state_dir
+    client = MlflowClient(tracking_uri=default_mlflow_uri(state))
+    exp = client.get_experiment_by_name(ui_run["experiment"])
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`ratchet.run_id` = '{summary.run_id}'")
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward_mean"))
+    assert history == [(r["step"], pytest.approx(r["reward_mean"])) for r in lines]
+    assert [s for s, _ in history] == list(range(STEPS))
+    evals = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_reward"))
+    assert evals == [(r["step"], pytest.approx(r["eval_reward"])) for r in lines if "eval_reward" in r] and evals
+    assert {"kl", "entropy", "response_length", "staleness", "generate_seconds", "train_seconds"} <= run.data.metrics.keys()
+    assert run.data.params["loop.steps"] == str(STEPS) and run.info.status == "FINISHED"
+    assert run.data.metrics["summary/steps"] == STEPS
+
+    # The UI, as `ratchet up` starts it, on 127.0.0.1.
+    settings = ServiceSettings(state_dir=state, mlflow_ui_port=free_ports(1)[0])
+    rec = mlflow_ui.start(settings)
+    assert "error" not in rec, rec
+    try:
+        base = mlflow_ui_url(settings)
+        assert base.startswith("http://127.0.0.1:")
+        wait_until(lambda: mlflow_ui.describe(rec)[0], timeout=180, every=0.5)
+        api = f"{base}/ajax-api/2.0/mlflow/metrics/get-history?run_id={run.info.run_id}&metric_key=reward_mean"
+        served = json.load(urllib.request.urlopen(api, timeout=30))["metrics"]
+        assert sorted(m["step"] for m in served) == list(range(STEPS))
+
+        page = metric_page(base, run.info.run_id, exp.experiment_id, "reward_mean")
+        dom = chromium(page, budget_ms=30000)
+        assert "Error while loading" not in dom
+        assert f"(step={STEPS - 1})" in dom, "the metric table shows no point of the last step"
+        png = artifacts_dir() / "mlflow_ui_reward.png"
+        png.unlink(missing_ok=True)
+        chromium(page, screenshot=png, budget_ms=30000)
+        image = Image.open(png)
+        assert image.size == (1600, 1000)
+        assert len(set(image.convert("L").getdata())) > 20  # a drawn page, not a blank one
+    finally:
+        mlflow_ui.stop(rec, 10.0)
+    assert not mlflow_ui.describe(rec)[0]
+    assert status(ServiceSettings(state_dir=state)).mlflow_ui is None  # not asked for: not reported
