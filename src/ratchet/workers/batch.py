@@ -217,8 +217,8 @@ def score_summary(rewards: torch.Tensor, prompt_index: torch.Tensor, seconds: fl
 
 @dataclass
 class StepScores:
-    """`RewardWorker.score_shares`: the rewards of a batch handed over in memory (and of
-    its ReMax baseline), for the trainer, which stores them with the batch."""
+    """The reward worker's scores of one rollout round (and of its ReMax baseline): stored
+    next to a stored batch, or handed to the trainer with a batch handed over in memory."""
 
     rewards: torch.Tensor  # [B]
     extras: list[dict]
@@ -227,6 +227,12 @@ class StepScores:
     baseline_extras: list[dict] | None = None
     costs: torch.Tensor | None = None  # [B], Safe-RLHF
     keep: torch.Tensor | None = None  # [B] bool, the rollout filter's verdicts
+
+    def save(self, store: BatchStore, batch_index: int, part: int = 0) -> None:
+        """As round `part`'s `scores` (and `baseline-scores`) of batch `batch_index`."""
+        save_scores(store, batch_index, self.rewards, self.extras, part_name(Parts.SCORES, part), self.costs, self.keep)
+        if self.baseline_rewards is not None:
+            save_scores(store, batch_index, self.baseline_rewards, self.baseline_extras or [], part_name(Parts.BASELINE_SCORES, part))
 
 
 @dataclass(frozen=True)
@@ -240,6 +246,14 @@ class HandedSummary:
     generate_seconds: float
     policy_version: int  # the oldest version among its tokens' (the one generation started with)
     score: ScoreResult
+
+
+def join_shares(shares: list) -> tuple[RolloutBatch, RolloutBatch | None]:
+    """The batch (and ReMax baseline) of the rollout shares (`results.RolloutShare`, in
+    order), as `RolloutWorker.save_shares` and `load_step` join them."""
+    batch = RolloutBatch.concat([s.batch for s in shares])
+    baseline = RolloutBatch.concat([s.baseline for s in shares]) if shares[0].baseline is not None else None
+    return batch, baseline
 
 
 @dataclass
@@ -257,10 +271,8 @@ class HandedStep:
 
     @classmethod
     def from_shares(cls, scores: StepScores, shares: list) -> "HandedStep":
-        """The batch of the rollout shares (`results.RolloutShare`, in order), as
-        `RolloutWorker.save_shares` and `load_step` join them."""
-        batch = RolloutBatch.concat([s.batch for s in shares])
-        baseline = RolloutBatch.concat([s.baseline for s in shares]) if shares[0].baseline is not None else None
+        """The batch of the rollout shares (`results.RolloutShare`, in order) with its scores."""
+        batch, baseline = join_shares(shares)
         return cls(
             batch=batch,
             baseline=baseline,
@@ -295,9 +307,7 @@ class HandedStep:
         if self.baseline is not None:
             self.baseline.save(store, batch_index, Parts.BASELINE)
         self.batch.save(store, batch_index, Parts.ROLLOUT)
-        save_scores(store, batch_index, self.scores.rewards, self.scores.extras, Parts.SCORES, self.scores.costs, self.scores.keep)
-        if self.baseline is not None:
-            save_scores(store, batch_index, self.scores.baseline_rewards, self.scores.baseline_extras or [], Parts.BASELINE_SCORES)
+        self.scores.save(store, batch_index)
 
     def summary(self) -> HandedSummary:
         lengths = self.batch.response_mask.sum(-1)

@@ -16,7 +16,7 @@ from ratchet.storage.layout import RunLayout
 from ratchet.tasks.loading import load_reward_fn
 from ratchet.start_up_gc import during_start_up
 
-from .batch import HandedStep, RolloutBatch, StepScores, save_scores, score_summary
+from .batch import HandedStep, RolloutBatch, StepScores, join_shares, score_summary
 from .columns import Parts, part_name
 from .hf_io import local_hf_path
 from .results import ScoreResult
@@ -65,35 +65,36 @@ class RewardWorker:
         check_finite_rewards(total, batch.samples, batch_index, "the reward mix (reward.function_weight, reward.model_weight)")
         return total, extras
 
-    def score(self, batch_index: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
+    def _score(self, batch: RolloutBatch, baseline: RolloutBatch | None, batch_index: int) -> StepScores:
+        """One round's scores, however the batch came: read from the store (`score`) or
+        handed over in memory (`score_shares`). `baseline`: ReMax's greedy responses."""
         t0 = time.perf_counter()
-        store = BatchStore(self.run, kind)
-        batch = RolloutBatch.load(store, batch_index, part_name(Parts.ROLLOUT, part))
         rewards, extras = self._rewards(batch, batch_index)
         rewards, costs, keep = self._screened(batch, rewards, batch_index)
-        save_scores(store, batch_index, rewards, extras, part_name(Parts.SCORES, part), costs, keep)
-        baseline_name = part_name(Parts.BASELINE, part)
-        if store.has(batch_index, baseline_name):  # ReMax: the greedy baseline responses
-            base_rewards, base_extras = self._rewards(RolloutBatch.load(store, batch_index, baseline_name), batch_index)
-            save_scores(store, batch_index, base_rewards, base_extras, part_name(Parts.BASELINE_SCORES, part))
-        return score_summary(rewards, batch.prompt_index, time.perf_counter() - t0)
-
-    def score_shares(self, batch_index: int, *shares) -> StepScores:
-        """Score a batch handed over in memory (`results.RolloutShare`s, in order: sync
-        mode's `step` activity); nothing is written here: `store_handed` does."""
-        t0 = time.perf_counter()
-        batch = RolloutBatch.concat([s.batch for s in shares])
-        rewards, extras = self._rewards(batch, batch_index)
-        rewards, costs, keep = self._screened(batch, rewards, batch_index)
-        base_rewards, base_extras = None, None
-        if shares[0].baseline is not None:  # ReMax: the greedy baseline responses
-            baseline = RolloutBatch.concat([s.baseline for s in shares])
-            base_rewards, base_extras = self._rewards(baseline, batch_index)
+        base_rewards, base_extras = self._rewards(baseline, batch_index) if baseline is not None else (None, None)
         result = score_summary(rewards, batch.prompt_index, time.perf_counter() - t0)
         return StepScores(
             rewards=rewards.float(), extras=extras, result=result, baseline_rewards=base_rewards, baseline_extras=base_extras,
             costs=costs, keep=keep,
         )  # fmt: skip
+
+    def score(self, batch_index: int, kind: str = RunLayout.BATCHES, part: int = 0) -> ScoreResult:
+        """Score stored round `part` of batch `batch_index` of `kind` (batches/, evals/) and
+        store the scores beside it."""
+        store = BatchStore(self.run, kind)
+        batch = RolloutBatch.load(store, batch_index, part_name(Parts.ROLLOUT, part))
+        baseline_name = part_name(Parts.BASELINE, part)
+        baseline = RolloutBatch.load(store, batch_index, baseline_name) if store.has(batch_index, baseline_name) else None
+        scores = self._score(batch, baseline, batch_index)
+        scores.save(store, batch_index, part)
+        return scores.result
+
+    def score_shares(self, batch_index: int, *shares) -> StepScores:
+        """Score a batch handed over in memory (`results.RolloutShare`s, in order: sync
+        mode's `step` activity), joined as the rollout worker stores it; nothing is written
+        here: `store_handed` does."""
+        batch, baseline = join_shares(list(shares))
+        return self._score(batch, baseline, batch_index)
 
     def store_handed(self, batch_index: int, scores: StepScores, *shares) -> None:
         """Store a batch handed over in memory with its scores as batch `batch_index`

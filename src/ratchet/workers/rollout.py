@@ -28,7 +28,7 @@ from ratchet.storage.object_store import ObjectStore
 from ratchet.storage.layout import RunLayout
 from ratchet.start_up_gc import during_start_up
 
-from .batch import RolloutBatch
+from .batch import join_shares
 from .columns import Parts, part_name
 from ratchet.workers.engines.base import SamplingParams
 from ratchet.workers.engines.build import build_engine
@@ -156,9 +156,9 @@ class RolloutWorker:
         """Store the shares, in the order given, as rollout part `part` of batch
         `batch_index` (one share: as generated), the same rows one worker would write."""
         store = BatchStore(self.run)
-        batch = RolloutBatch.concat([s.batch for s in shares])
-        if shares[0].baseline is not None:
-            RolloutBatch.concat([s.baseline for s in shares]).save(store, batch_index, part_name(Parts.BASELINE, part))
+        batch, baseline = join_shares(list(shares))
+        if baseline is not None:
+            baseline.save(store, batch_index, part_name(Parts.BASELINE, part))
         uri = batch.save(store, batch_index, part_name(Parts.ROLLOUT, part))
         lengths = batch.response_mask.sum(-1)
         return GenerateResult(
