@@ -10,9 +10,10 @@ if TYPE_CHECKING:
 
 
 # The platform tests' runs log to no tracker: MLflow costs the worker about 2 CPU-s a run
-# (its import, its store, a call per step), and tests/tracking/ is where a run's copy in a
-# tracker is checked (tests/integration/test_dashboards.py: a real run on the platform, MLflow turned on). A
-# later `tracking.mlflow=true` in a test's own overrides wins.
+# (its import, its store, a call per step). A run's copy in a tracker is checked in
+# tests/tracking/ and, for a real run on the platform with MLflow turned on, in
+# tests/integration/test_dashboards.py. A later `tracking.mlflow=true` in a test's own
+# overrides wins.
 NO_TRACKER = "tracking.mlflow=false"
 
 

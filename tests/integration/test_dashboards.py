@@ -39,7 +39,6 @@ from ratchet.types import RunSummary
 from ratchet.workflows import search_attributes as sa
 
 from tests.browser import CHROMIUM, artifacts_dir, chromium
-from tests.polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -310,7 +309,7 @@ def test_the_run_in_mlflow_and_its_ui(ui_run, platform):
     try:
         base = mlflow_ui_url(settings)
         assert base.startswith("http://127.0.0.1:")
-        wait_until(lambda: mlflow_ui.describe(rec)[0], timeout=180, every=0.5)
+        wait_for(lambda: mlflow_ui.describe(rec)[0], "the MLflow UI serving", 180)
         api = f"{base}/ajax-api/2.0/mlflow/metrics/get-history?run_id={run.info.run_id}&metric_key=reward_mean"
         served = json.load(urllib.request.urlopen(api, timeout=30))["metrics"]
         assert sorted(m["step"] for m in served) == list(range(STEPS))

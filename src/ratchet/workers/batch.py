@@ -250,7 +250,8 @@ class HandedSummary:
 
 def join_shares(shares: list) -> tuple[RolloutBatch, RolloutBatch | None]:
     """The batch (and ReMax baseline) of the rollout shares (`results.RolloutShare`, in
-    order), as `RolloutWorker.save_shares` and `load_step` join them."""
+    order): the one join, whoever holds the shares (the reward worker scores it,
+    `RolloutWorker.save_shares` stores it, `load_step` reads back the same tensors)."""
     batch = RolloutBatch.concat([s.batch for s in shares])
     baseline = RolloutBatch.concat([s.baseline for s in shares]) if shares[0].baseline is not None else None
     return batch, baseline
